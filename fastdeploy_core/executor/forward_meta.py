@@ -1,0 +1,57 @@
+"""What one engine step hands to the model: the ragged batch, flattened.
+
+All scheduled tokens of all requests are concatenated into ``T`` rows. Host-side arrays
+(numpy) describe the ragged structure; the attention backend turns them into device tensors
+once per step (cached in :attr:`ForwardMeta.attn_state`) and every layer reuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class ForwardMeta:
+    """The flattened batch of one step.
+
+    Row ``t`` of the batch belongs to sequence ``b`` where
+    ``query_start_loc[b] <= t < query_start_loc[b + 1]``. Sequence ``b`` already holds
+    ``seq_lens[b] - query_lens[b]`` tokens in the KV cache (prefix-cached or computed in
+    earlier steps); this step adds its ``query_lens[b]`` new tokens at positions
+    ``seq_lens[b] - query_lens[b] ... seq_lens[b] - 1``.
+    """
+
+    input_ids: Any  # paddle.Tensor [T] int64
+    positions: Any  # paddle.Tensor [T] int64
+    slot_mapping: Any  # paddle.Tensor [T] int64: block_id * block_size + offset of each new token
+    query_start_loc: np.ndarray  # [B + 1] int64, host
+    seq_lens: np.ndarray  # [B] int64, host: cached + new tokens after this step
+    block_tables: np.ndarray  # [B, max_blocks] int64, host, padded with 0
+    block_size: int
+    logits_indices: Any  # paddle.Tensor [B] int64: row of each sequence's last new token
+    #: Scratch for the attention backend: derived tensors built once per step.
+    attn_state: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+    @property
+    def context_lens(self) -> np.ndarray:
+        """Tokens already in the KV cache before this step, per sequence."""
+        return self.seq_lens - self.query_lens
+
+    @property
+    def is_decode_only(self) -> bool:
+        return bool(np.all(self.query_lens == 1))
