@@ -1,0 +1,230 @@
+"""Configuration: pydantic sections and the one ``EngineArgs`` the CLI and ``LLM`` build from.
+
+Field names follow FastDeploy's flags (``--max-num-seqs`` -> ``max_num_seqs``). Validation
+errors are turned into :class:`~fastdeploy_core.errors.ConfigError` whose message names the
+field, the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fastdeploy_core.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(_Section):
+    """What to load and how to run it."""
+
+    model: str | None = Field(None, description="HF directory or .gguf file; None = embedded default")
+    served_model_name: str | None = None
+    model_impl: Literal["auto", "fastdeploy", "paddleformers"] = "auto"
+    dtype: Literal["float32", "float16", "bfloat16", "auto"] = "auto"
+    max_model_len: int | None = Field(None, ge=1, le=1 << 22)
+    chat_template: str | None = None
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+
+
+class CacheConfig(_Section):
+    """Paged KV cache sizing and prefix caching."""
+
+    block_size: int = Field(64, ge=1, le=1024)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    num_gpu_blocks_override: int | None = Field(None, ge=1)
+    kv_cache_ratio: float = Field(0.75, gt=0.0, le=1.0)
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+
+
+class SchedulerConfig(_Section):
+    """Batch scheduling inside one engine and the request-level scheduler around it."""
+
+    max_num_seqs: int = Field(64, ge=1, le=65536)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    enable_chunked_prefill: bool = True
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduler_name: str = "local"
+
+
+class ParallelConfig(_Section):
+    """Tensor parallelism and device choice."""
+
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    device: str = "auto"
+    attention_backend: str | None = None
+
+
+class QuantizationConfig(_Section):
+    """``--quantization NAME`` or a FastDeploy JSON string (``mix_quant`` etc.)."""
+
+    quantization: str | None = None
+
+    def parsed(self) -> dict | None:
+        """The method as a dict (``{"quantization": name, ...}``) or None."""
+        if not self.quantization:
+            return None
+        text = self.quantization.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    f"quantization: {text!r} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                    'pass a method name such as "wint8" or a JSON object',
+                    param="quantization",
+                ) from None
+            if not isinstance(value, dict):
+                raise ConfigError("quantization JSON must be an object", param="quantization")
+            return value
+        return {"quantization": text}
+
+
+class SpeculativeConfig(_Section):
+    """Speculative decoding (``--speculative-config`` JSON in FastDeploy)."""
+
+    method: Literal["ngram", "mtp"] | None = None
+    num_speculative_tokens: int = Field(1, ge=1, le=16)
+
+
+class ServerConfig(_Section):
+    """The HTTP server."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    engine_worker_queue_port: int | None = Field(None, ge=1, le=65535)
+    api_key: list[str] = Field(default_factory=list)
+    max_concurrency: int = Field(512, ge=1)
+    max_waiting_time: float = Field(-1, description="seconds a request may wait; -1 = forever")
+
+
+class EngineArgs(_Section):
+    """Every engine setting, grouped in sections; built from flat keys by :meth:`create`.
+
+    ``EngineArgs.create(max_num_seqs=8, block_size=32)`` routes each flat key (a FastDeploy
+    flag name with ``_``) to the one section that owns it, so the CLI and ``LLM(**kwargs)``
+    share one path. Errors raise ConfigError naming the field, the value and the range.
+    """
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    quant: QuantizationConfig = Field(default_factory=QuantizationConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "EngineArgs":
+        sched, model = self.scheduler, self.model
+        if (
+            sched.max_num_batched_tokens is not None
+            and model.max_model_len is not None
+            and not sched.enable_chunked_prefill
+            and sched.max_num_batched_tokens < model.max_model_len
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens ({sched.max_num_batched_tokens}) is below max_model_len "
+                f"({model.max_model_len}) with chunked prefill off: a long prompt could never be "
+                "scheduled; raise max_num_batched_tokens or enable chunked prefill"
+            )
+        return self
+
+    @classmethod
+    def flat_fields(cls) -> dict[str, str]:
+        """Flat key -> section name, for every setting."""
+        owners: dict[str, str] = {}
+        for section, info in cls.model_fields.items():
+            for key in info.annotation.model_fields:  # type: ignore[union-attr]
+                owners[key] = section
+        owners["speculative_config"] = "speculative"
+        return owners
+
+    @classmethod
+    def create(cls, **kwargs: Any) -> "EngineArgs":
+        """Validate flat ``kwargs``; unknown keys and bad values raise ConfigError."""
+        owners = cls.flat_fields()
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in cls.model_fields}
+        unknown = [k for k in kwargs if k not in owners]
+        if unknown:
+            raise ConfigError(
+                "; ".join(f"{k}: unknown setting (given {kwargs[k]!r}); check the spelling" for k in unknown),
+                param=unknown[0],
+            )
+        for key, value in kwargs.items():
+            if key == "speculative_config":
+                if isinstance(value, str):
+                    try:
+                        value = json.loads(value)
+                    except json.JSONDecodeError:
+                        raise ConfigError(
+                            f"speculative_config: {value!r} is not valid JSON", param=key
+                        ) from None
+                grouped["speculative"].update(value or {})
+            else:
+                grouped[owners[key]][key] = value
+        try:
+            return cls(**grouped)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, flat=True), param=_first_field(exc, flat=True)) from None
+
+    def flat(self) -> dict[str, Any]:
+        """The inverse of :meth:`create`: every setting under its flat name."""
+        out: dict[str, Any] = {}
+        for section in type(self).model_fields:
+            out.update(getattr(self, section).model_dump())
+        return out
+
+
+def validate_model(cls: type[BaseModel], data: dict[str, Any]) -> BaseModel:
+    """Build ``cls`` from ``data``; pydantic errors become one ConfigError with every problem."""
+    try:
+        return cls(**data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc), param=_first_field(exc)) from None
+
+
+def _field_name(loc: tuple, flat: bool) -> str:
+    parts = [str(p) for p in loc]
+    if flat and len(parts) > 1:
+        parts = parts[1:]  # drop the section: users wrote the flat flag name
+    return ".".join(parts) or "(config)"
+
+
+def _first_field(exc: ValidationError, flat: bool = False) -> str | None:
+    for err in exc.errors():
+        if err.get("loc"):
+            return _field_name(err["loc"], flat)
+    return None
+
+
+def format_validation_error(exc: ValidationError, flat: bool = False) -> str:
+    """One line per problem: ``field: got VALUE; must be ...``."""
+    lines = []
+    for err in exc.errors():
+        field = _field_name(err.get("loc", ()), flat)
+        kind = err.get("type", "")
+        given = err.get("input")
+        ctx = err.get("ctx") or {}
+        if kind == "extra_forbidden":
+            lines.append(f"{field}: unknown setting (given {given!r}); check the spelling")
+            continue
+        if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+            bound = next(iter(ctx.values()))
+            op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
+            lines.append(f"{field}: got {given!r}; must be {op} {bound}")
+            continue
+        if kind == "literal_error":
+            lines.append(f"{field}: got {given!r}; must be one of {ctx.get('expected')}")
+            continue
+        msg = err.get("msg", "invalid value")
+        if kind == "value_error":
+            lines.append(f"{field}: {msg.removeprefix('Value error, ')}")
+        else:
+            lines.append(f"{field}: got {given!r}; {msg}")
+    return "; ".join(lines)
