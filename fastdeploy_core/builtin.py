@@ -1,0 +1,26 @@
+"""The core's own hook implementations, registered like any plugin (name ``builtin``)."""
+
+from __future__ import annotations
+
+import importlib
+
+from fastdeploy_core import PLUGIN_API_VERSION
+from fastdeploy_core.hookspecs import hookimpl
+
+FD_PLUGIN_API_VERSION = PLUGIN_API_VERSION
+
+#: Modules that each expose ``register(app)`` adding working sub-commands to the CLI.
+CORE_COMMAND_MODULES: tuple[str, ...] = ()
+
+
+@hookimpl
+def register_devices(register):
+    from fastdeploy_core.devices.cpu import CpuDevice
+
+    register(CpuDevice)
+
+
+@hookimpl
+def register_commands(app):
+    for module_name in CORE_COMMAND_MODULES:
+        importlib.import_module(module_name).register(app)

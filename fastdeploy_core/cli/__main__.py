@@ -1,0 +1,3 @@
+from fastdeploy_core.cli.main import main
+
+main()

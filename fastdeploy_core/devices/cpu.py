@@ -1,0 +1,48 @@
+"""The built-in cpu device: always available, lowest priority, every op in plain Paddle."""
+
+from __future__ import annotations
+
+import os
+
+from fastdeploy_core.devices.base import Availability, Device, MemoryInfo
+
+
+def _meminfo_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class CpuDevice(Device):
+    """Host CPU through Paddle's CPU kernels; the reference every other device is checked against."""
+
+    name = "cpu"
+    paddle_device_type = "cpu"
+    priority = 0
+    supported_dtypes = ("float32",)  # Paddle's CPU build registers float32 matmul only
+    dist_backend = "gloo"
+    supports_graph_capture = False
+    attention_backends = ("paged_reference",)
+
+    @classmethod
+    def detect(cls) -> Availability:
+        return Availability.yes()
+
+    @classmethod
+    def device_count(cls) -> int:
+        return 1
+
+    @classmethod
+    def memory_info(cls, index: int = 0) -> MemoryInfo:
+        total = _meminfo_bytes("MemTotal")
+        free = _meminfo_bytes("MemAvailable")
+        if total is None or free is None:
+            pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+            avail = os.sysconf("SC_AVPHYS_PAGES")
+            total, free = pages * page_size, avail * page_size
+        return MemoryInfo(total_bytes=total, free_bytes=free)
