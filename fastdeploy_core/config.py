@@ -70,7 +70,7 @@ class QuantizationConfig(_Section):
         if not self.quantization:
             return None
         text = self.quantization.strip()
-        if text.startswith("{"):
+        if text.startswith(("{", "[")):
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
