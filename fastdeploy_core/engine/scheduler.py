@@ -1,0 +1,214 @@
+"""The batch scheduler: which requests run in the next step, and with how many tokens.
+
+Policy only; it never touches a tensor. Each step has one token budget
+(``max_num_batched_tokens``) and at most ``max_num_seqs`` running requests:
+
+1. running requests first, in policy order: one token each while decoding, or the next chunk
+   of their prompt; when the block manager runs out of blocks the newest running request (the
+   last in policy order) is preempted: its blocks are freed and it goes back to the waiting
+   queue to be recomputed later (its prefix-cached blocks often survive);
+2. then waiting requests, in policy order, while budget, sequence slots and blocks last; a
+   prompt longer than the remaining budget is chunked (when ``enable_chunked_prefill``).
+
+Policies: ``fcfs`` (arrival order) and ``priority`` (lower ``priority`` value first, then
+arrival). :meth:`Scheduler.update` takes the sampled tokens back and finishes requests on
+eos / ``stop_token_ids`` (after ``min_tokens``), ``max_tokens`` or ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from fastdeploy_core.engine.block_manager import BlockManager
+from fastdeploy_core.engine.request import Request, RequestStatus
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: ``scheduled[i] = (request, num_new_tokens)`` in batch order."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def samples(self, index: int) -> bool:
+        """Whether request ``index`` reaches its last token this step (so a token is sampled)."""
+        req, n = self.scheduled[index]
+        return req.num_computed_tokens + n == req.num_tokens
+
+
+class Scheduler:
+    """Continuous batching over a :class:`BlockManager`."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
+        self.waiting: list[Request] = []  # sorted by policy key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._counter = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- queue -----------------------------------------------------------------------------
+    def _key(self, req: Request) -> tuple:
+        if self.policy == "priority":
+            return (req.priority, req.sequence_number)
+        return (req.sequence_number,)
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the scheduler")
+        req.sequence_number = next(self._counter)
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        bisect.insort(self.waiting, req, key=self._key)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their KV blocks."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        self.running.sort(key=self._key)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_uncomputed_tokens, budget)
+            if num_new < req.num_uncomputed_tokens and not self.enable_chunked_prefill:
+                i += 1
+                continue
+            preempted_self = False
+            while not bm.append(req, req.num_computed_tokens + num_new):
+                victim = self.running.pop()  # newest in policy order; never one scheduled already
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                continue
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+            i += 1
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                cached = bm.find_cached_blocks(req)
+                num_computed = len(cached) * bm.block_size
+                num_new = req.num_tokens - num_computed
+                if num_new > budget:
+                    if not self.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                if not bm.allocate(req, num_computed + num_new, cached):
+                    break
+                self.waiting.pop(0)
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = num_computed
+                req.num_computed_tokens = num_computed
+                req.status = RequestStatus.RUNNING
+                if req.scheduled_time is None:
+                    req.scheduled_time = time.time()
+                self.running.append(req)
+                out.scheduled.append((req, num_new))
+                budget -= num_new
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=self._key)
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Advance counts by the step's tokens; ``sampled[i]`` is the new token of request ``i``
+        (None while a prompt chunk is not the last). Returns the requests that finished."""
+        finished: list[Request] = []
+        now = time.time()
+        bm = self.block_manager
+        for (req, num_new), token in zip(out.scheduled, sampled):
+            if req.is_finished:  # aborted since it was scheduled
+                continue
+            req.num_computed_tokens += num_new
+            if token is None:
+                bm.cache_full_blocks(req)
+                continue
+            req.append_output_token(int(token))
+            req.has_new_output = True
+            if req.first_token_time is None:
+                req.first_token_time = now
+            bm.cache_full_blocks(req)
+            status = self._stop_status(req, int(token))
+            if status is not None:
+                self._finish(req, status, now)
+                finished.append(req)
+        return finished
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        if req.num_output_tokens >= req.sampling_params.min_tokens and token in req.eos_token_ids:
+            stop_ids = req.sampling_params.stop_token_ids or ()
+            req.stop_reason = token if token in stop_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= req.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.status = status
+        req.finish_time = now or time.time()
+        self.requests.pop(req.request_id, None)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """End requests from outside (abort, stop string); their blocks are free on return."""
+        done = []
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            self._finish(req, status)
+            done.append(req)
+        return done

@@ -1,0 +1,204 @@
+"""Property tests of the pure-Python engine parts: block manager and scheduler."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastdeploy_core.engine.block_manager import BlockManager
+from fastdeploy_core.engine.request import Request, RequestStatus
+from fastdeploy_core.engine.sampling_params import SamplingParams
+from fastdeploy_core.engine.scheduler import Scheduler
+
+EOS = 0
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int, min_tokens: int = 0, priority: int = 0) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        priority=priority,
+        eos_token_ids=(EOS,),
+        max_total_tokens=len(prompt) + max_tokens,
+    )
+
+
+def live(sched: Scheduler) -> list[Request]:
+    return list(sched.requests.values())
+
+
+def test_prefix_hit_shares_blocks_and_counts_hits():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_request("a", list(range(1, 11)), 4)
+    assert bm.allocate(a, 10, bm.find_cached_blocks(a))
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)
+    b = make_request("b", list(range(1, 11)) + [42], 4)
+    hits = bm.find_cached_blocks(b)
+    assert hits == a.block_table[:2]
+    assert bm.allocate(b, 11, hits)
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+    assert bm.prefix_hit_tokens == 8 and bm.prefix_query_tokens == 10 + 11
+    bm.check_invariants([a, b])
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 8
+    bm.check_invariants([])
+    # freed cached blocks are revived by a later request with the same prefix
+    c = make_request("c", list(range(1, 9)) + [7, 7], 4)
+    assert len(bm.find_cached_blocks(c)) == 2
+
+
+def test_lru_evicts_uncached_then_oldest_cached():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5], 1)
+    bm.allocate(a, 5)
+    a.num_computed_tokens = 5
+    bm.cache_full_blocks(a)  # blocks 0,1 cached; block 2 partial
+    bm.free(a)
+    assert list(bm._free)[:2] == [2, 3]  # partial/unused first
+    b = make_request("b", [9, 9, 9, 9, 9, 9, 9], 1)
+    bm.allocate(b, 7)  # needs 4 blocks: evicts both cached blocks
+    assert bm.find_cached_blocks(make_request("c", [1, 2, 3, 4, 5], 1)) == []
+    bm.check_invariants([b])
+
+
+def test_free_twice_is_detected():
+    bm = BlockManager(num_blocks=2, block_size=2)
+    a = make_request("a", [1, 2, 3], 1)
+    bm.allocate(a, 3)
+    table = list(a.block_table)
+    bm.free(a)
+    a.block_table = table
+    with pytest.raises(RuntimeError, match="freed twice"):
+        bm.free(a)
+
+
+def run_to_completion(sched: Scheduler, rng: random.Random, abort_prob: float, max_steps: int = 3000) -> dict:
+    bm = sched.block_manager
+    finished: dict[str, RequestStatus] = {}
+    steps = 0
+    while sched.has_unfinished_requests():
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+        out = sched.schedule()
+        assert out.num_scheduled_tokens <= sched.max_num_batched_tokens
+        assert len(sched.running) <= sched.max_num_seqs
+        bm.check_invariants(live(sched))
+        if out.is_empty:
+            assert not sched.running, "running requests but nothing scheduled"
+            assert not sched.waiting
+            break
+        for req, n in out.scheduled:
+            assert len(req.block_table) * bm.block_size >= req.num_computed_tokens + n
+        sampled = []
+        for i, _ in enumerate(out.scheduled):
+            sampled.append(rng.choice([EOS, 5, 6, 7]) if out.samples(i) else None)
+        for req in sched.update(out, sampled):
+            finished[req.request_id] = req.status
+        if rng.random() < abort_prob and sched.requests:
+            victim = rng.choice(sorted(sched.requests))
+            for req in sched.finish_requests([victim]):
+                finished[req.request_id] = req.status
+        bm.check_invariants(live(sched))
+    return finished
+
+
+request_spec = st.tuples(
+    st.integers(1, 40),  # prompt length
+    st.integers(1, 12),  # max tokens
+    st.integers(0, 3),  # shared-prefix family
+    st.integers(0, 2),  # priority
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    specs=st.lists(request_spec, min_size=1, max_size=12),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    budget=st.integers(1, 64),
+    max_num_seqs=st.integers(1, 6),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    prefix=st.booleans(),
+    seed=st.integers(0, 2**16),
+    abort_prob=st.sampled_from([0.0, 0.1]),
+)
+def test_every_request_finishes_and_no_block_leaks(specs, block_size, budget, max_num_seqs, policy, prefix, seed, abort_prob):
+    rng = random.Random(seed)
+    max_len = max(p + m for p, m, _, _ in specs)
+    # just enough blocks for one longest sequence, sometimes a few more: forces preemption
+    num_blocks = -(-max_len // block_size) + rng.randint(0, 4)
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    sched = Scheduler(bm, max_num_seqs, budget, enable_chunked_prefill=True, policy=policy)
+    for i, (plen, mtok, family, prio) in enumerate(specs):
+        prompt = [(family * 7 + j) % 11 + 1 for j in range(plen)]  # families share prefixes; no eos
+        sched.add_request(make_request(f"r{i}", prompt, mtok, priority=prio))
+    finished = run_to_completion(sched, rng, abort_prob)
+    assert sorted(finished) == sorted(f"r{i}" for i in range(len(specs)))
+    assert all(s.is_finished for s in finished.values())
+    assert bm.num_free_blocks == num_blocks
+    bm.check_invariants([])
+
+
+def test_chunked_prefill_and_no_chunking():
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, 4, 8, enable_chunked_prefill=True)
+    req = make_request("a", list(range(1, 21)), 2)
+    sched.add_request(req)
+    chunks = []
+    while True:
+        out = sched.schedule()
+        chunks.append(out.scheduled[0][1])
+        token = 5 if out.samples(0) else None
+        sched.update(out, [token])
+        if token is not None:
+            break
+    assert chunks == [8, 8, 4]
+    # without chunking, a prompt above the budget waits (config forbids that combination)
+    sched2 = Scheduler(BlockManager(16, 4), 4, 8, enable_chunked_prefill=False)
+    sched2.add_request(make_request("b", list(range(1, 21)), 2))
+    assert sched2.schedule().is_empty
+
+
+def test_preempts_newest_and_recomputes():
+    bm = BlockManager(4, 2)  # 8 token slots
+    sched = Scheduler(bm, 4, 64)
+    old = make_request("old", [1, 2, 3], 4)
+    new = make_request("new", [4, 5, 6], 4)
+    sched.add_request(old)
+    sched.add_request(new)
+    out = sched.schedule()
+    sched.update(out, [5, 5])
+    preempted = []
+    for _ in range(20):
+        out = sched.schedule()
+        preempted += [r.request_id for r in out.preempted]
+        sched.update(out, [5 if out.samples(i) else None for i in range(len(out.scheduled))])
+        if not sched.has_unfinished_requests():
+            break
+    assert preempted and set(preempted) == {"new"}
+    assert new.num_preemptions >= 1 and new.num_output_tokens == 4 and old.num_output_tokens == 4
+    assert bm.num_free_blocks == 4
+
+
+def test_priority_policy_admits_lower_value_first():
+    sched = Scheduler(BlockManager(32, 4), 1, 64, policy="priority")
+    sched.add_request(make_request("low", [1, 2], 1, priority=5))
+    sched.add_request(make_request("high", [1, 2], 1, priority=0))
+    assert sched.schedule().scheduled[0][0].request_id == "high"
+
+
+def test_min_tokens_defers_eos_and_stop_token_reason():
+    sched = Scheduler(BlockManager(32, 4), 2, 64)
+    req = make_request("a", [1, 2], 10, min_tokens=2)
+    sched.add_request(req)
+    for tok in (EOS, EOS):
+        out = sched.schedule()
+        done = sched.update(out, [tok])
+    assert done == [req] and req.output_token_ids == [EOS, EOS]
+    assert req.status == RequestStatus.FINISHED_STOPPED
