@@ -1,0 +1,249 @@
+"""The cpu device's ops table: every op the model layers need, in plain Paddle.
+
+Chip plugins subclass :class:`ReferenceOps` and override the ops they have fused kernels for;
+everything else is inherited. Layers reach the table through
+:func:`fastdeploy_core.devices.current.current_ops` and never look at a device name.
+
+Conventions: tensors are Paddle tensors; ``T`` is the number of tokens in the step (all
+requests flattened), ``h``/``kvh`` query/key-value heads, ``d`` the head size. Linear weights
+use Paddle's ``[in, out]`` layout. KV caches are per layer ``[num_blocks, block_size, kvh, d]``.
+
+Batch-1 decode is dominated by per-op dispatch cost in eager Paddle, so the ops keep their op
+count low and derive per-step index tensors once (in ``ForwardMeta.attn_state`` or keyed on
+the identity of the step's tensors), not once per layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+try:  # present in CPU builds of Paddle 3.x; the plain formulas below are the fallback
+    from paddle.incubate.nn.functional import fused_rms_norm as _fused_rms_norm
+    from paddle.incubate.nn.functional import swiglu as _swiglu
+except ImportError:  # pragma: no cover - depends on the Paddle build
+    _fused_rms_norm = None
+    _swiglu = None
+
+
+class ReferenceOps:
+    """Plain-Paddle implementation of every model op (the cpu device's ops table).
+
+    Args:
+        attention_backend: name of the attention backend the device selected; the
+            reference ops implement ``"paged_reference"`` only, subclasses may offer more.
+    """
+
+    attention_backends: tuple[str, ...] = ("paged_reference",)
+
+    def __init__(self, attention_backend: str = "paged_reference"):
+        if attention_backend not in self.attention_backends:
+            raise ValueError(
+                f"{type(self).__name__} implements attention backends "
+                f"{', '.join(self.attention_backends)}, not {attention_backend!r}"
+            )
+        self.attention_backend = attention_backend
+        # Per-step derived tensors, keyed on the identity of the step's input tensors (the
+        # same tensor object is passed to every layer of one forward).
+        self._rope_key: tuple | None = None
+        self._rope_value: tuple | None = None
+        self._slot_key = None
+        self._slot_value: tuple | None = None
+
+    # ---- dense ops ------------------------------------------------------------------------
+    def embedding(self, ids: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
+        """Rows of ``weight [V, H]`` for ``ids [T]`` -> ``[T, H]``."""
+        return paddle.index_select(weight, ids, axis=0)
+
+    def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+        """``x [..., in] @ weight [in, out] (+ bias)`` -> ``[..., out]``."""
+        if bias is None:
+            return paddle.matmul(x, weight)
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+        """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, in float32."""
+        if _fused_rms_norm is not None:
+            return _fused_rms_norm(x, weight, None, eps, begin_norm_axis=x.ndim - 1)[0]
+        variance = paddle.mean(x * x, axis=-1, keepdim=True)
+        return x * paddle.rsqrt(variance + eps) * weight
+
+    def add_rms_norm(
+        self, x: paddle.Tensor, residual: paddle.Tensor | None, weight: paddle.Tensor, eps: float
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Fused residual add then RMSNorm: returns ``(rms_norm(x + residual), x + residual)``.
+
+        ``residual`` is ``None`` for the first layer; then the residual stream starts at ``x``.
+        """
+        if residual is None:
+            return self.rms_norm(x, weight, eps), x
+        if _fused_rms_norm is not None:
+            normed, summed = _fused_rms_norm(x, weight, None, eps, begin_norm_axis=x.ndim - 1, residual=residual)
+            return normed, summed
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps), summed
+
+    def silu_and_mul(self, x: paddle.Tensor) -> paddle.Tensor:
+        """``silu(x[..., :I]) * x[..., I:]`` for ``x [..., 2I]`` (gate and up merged)."""
+        if _swiglu is not None:
+            return _swiglu(x)
+        gate, up = paddle.chunk(x, 2, axis=-1)
+        return F.silu(gate) * up
+
+    # ---- rotary position embedding --------------------------------------------------------
+    def rotary_embedding(
+        self,
+        positions: paddle.Tensor,
+        q: paddle.Tensor,
+        k: paddle.Tensor | None,
+        cos_sin_cache: paddle.Tensor,
+    ) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+        """Rotate ``q [T, h, d]`` and ``k [T, kvh, d]`` by their positions (HF rotate_half style).
+
+        ``cos_sin_cache [max_positions, 2, d]`` holds ``cos`` and a signed ``sin`` per position
+        (built by :mod:`fastdeploy_core.layers.rotary`): with ``sin_signed = [-sin, sin]`` the
+        rotation ``x * cos + rotate_half(x) * sin`` becomes ``x * cos + roll(x, d/2) * sin_signed``.
+        ``k`` may be ``None`` (then only ``q`` is rotated).
+        """
+        cos, sin = self._rope_cos_sin(positions, cos_sin_cache)
+        half = q.shape[-1] // 2
+        q = q * cos + paddle.roll(q, half, axis=-1) * sin
+        if k is not None:
+            k = k * cos + paddle.roll(k, half, axis=-1) * sin
+        return q, k
+
+    def _rope_cos_sin(self, positions: paddle.Tensor, cache: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        key = self._rope_key
+        if key is not None and key[0] is positions and key[1] is cache:
+            return self._rope_value
+        rows = paddle.index_select(cache, positions, axis=0)  # [T, 2, d]
+        cos = rows[:, 0:1, :]  # [T, 1, d], broadcast over heads
+        sin = rows[:, 1:2, :]
+        self._rope_key = (positions, cache)
+        self._rope_value = (cos, sin)
+        return cos, sin
+
+    # ---- paged KV cache -------------------------------------------------------------------
+    def write_kv_cache(
+        self,
+        k: paddle.Tensor,
+        v: paddle.Tensor,
+        k_cache: paddle.Tensor,
+        v_cache: paddle.Tensor,
+        slot_mapping: paddle.Tensor,
+    ) -> None:
+        """Store this step's ``k``/``v [T, kvh, d]`` at ``slot_mapping [T]``, in place.
+
+        A slot is ``block_id * block_size + offset``; caches are ``[num_blocks, block_size, kvh, d]``.
+        """
+        block_size = k_cache.shape[1]
+        key = self._slot_key
+        if key is not None and key[0] is slot_mapping and key[1] == block_size:
+            block_ids, offsets = self._slot_value
+        else:
+            block_ids = paddle.floor_divide(slot_mapping, paddle.to_tensor(block_size, dtype=slot_mapping.dtype))
+            offsets = slot_mapping - block_ids * block_size
+            self._slot_key = (slot_mapping, block_size)
+            self._slot_value = (block_ids, offsets)
+        k_cache.index_put_((block_ids, offsets), k)
+        v_cache.index_put_((block_ids, offsets), v)
+
+    def paged_attention(
+        self,
+        q: paddle.Tensor,
+        k_cache: paddle.Tensor,
+        v_cache: paddle.Tensor,
+        meta,
+        scale: float,
+    ) -> paddle.Tensor:
+        """Causal attention of every new token over its sequence's whole cached context.
+
+        ``q [T, h, d]``; the step's own K/V must already be written into the caches. Handles
+        prefix-cached blocks, chunked prefill, mixed prefill+decode batches and GQA without a
+        per-request loop: the batch is padded to ``[B, max_q]`` queries over ``[B, max_kv]``
+        cache positions gathered block-wise from ``meta.block_tables``, with a mask
+        ``kv_pos <= q_pos``. Returns ``[T, h, d]``.
+        """
+        state = meta.attn_state.get("paged_reference")
+        if state is None:
+            state = self._build_attention_state(meta, k_cache.shape[1])
+            meta.attn_state["paged_reference"] = state
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        batch, max_q, max_kv = state["batch"], state["max_q"], state["max_kv"]
+
+        # Gather whole blocks: [B * nblk, block_size, kvh, d] -> [B, kvh, max_kv, d].
+        k = paddle.index_select(k_cache, state["block_ids"], axis=0).reshape([batch, max_kv, num_kv_heads, head_dim])
+        v = paddle.index_select(v_cache, state["block_ids"], axis=0).reshape([batch, max_kv, num_kv_heads, head_dim])
+        k = k.transpose([0, 2, 1, 3])
+        v = v.transpose([0, 2, 1, 3])
+
+        if max_q == 1:
+            # Decode: one query row per sequence, already in batch order. Query heads of one
+            # KV head are adjacent (head i reads kv head i // group), so no repeat of K/V.
+            qg = (q * scale).reshape([batch, num_kv_heads, group, head_dim])
+            scores = paddle.matmul(qg, k, transpose_y=True)  # [B, kvh, g, max_kv]
+            if state["mask"] is not None:
+                scores = scores + state["mask"]  # [B, 1, 1, max_kv]
+            probs = F.softmax(scores, axis=-1)
+            return paddle.matmul(probs, v).reshape([num_tokens, num_heads, head_dim])
+
+        if state["pad_rows"] is not None:
+            q = paddle.index_select(q, state["pad_rows"], axis=0)  # [B * max_q, h, d]
+        qg = (q * scale).reshape([batch, max_q, num_kv_heads, group, head_dim])
+        qg = qg.transpose([0, 2, 3, 1, 4]).reshape([batch, num_kv_heads, group * max_q, head_dim])
+        scores = paddle.matmul(qg, k, transpose_y=True)  # [B, kvh, g * max_q, max_kv]
+        scores = scores.reshape([batch, num_kv_heads, group, max_q, max_kv]) + state["mask"]
+        probs = F.softmax(scores, axis=-1).reshape([batch, num_kv_heads, group * max_q, max_kv])
+        out = paddle.matmul(probs, v).reshape([batch, num_kv_heads, group, max_q, head_dim])
+        out = out.transpose([0, 3, 1, 2, 4]).reshape([batch * max_q, num_heads, head_dim])
+        if state["unpad_rows"] is not None:
+            out = paddle.index_select(out, state["unpad_rows"], axis=0)
+        return out
+
+    def _build_attention_state(self, meta, block_size: int) -> dict:
+        """Host-side index math of one step, turned into device tensors once for all layers."""
+        seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
+        query_start = np.asarray(meta.query_start_loc, dtype=np.int64)
+        query_lens = np.diff(query_start)
+        context_lens = seq_lens - query_lens
+        batch = int(seq_lens.shape[0])
+        max_q = int(query_lens.max())
+        num_blocks = int(math.ceil(int(seq_lens.max()) / block_size))
+        max_kv = num_blocks * block_size
+        block_table = np.asarray(meta.block_tables, dtype=np.int64)[:, :num_blocks]
+        if block_table.shape[1] < num_blocks:
+            raise ValueError(
+                f"block_tables has {block_table.shape[1]} columns but a sequence of "
+                f"{int(seq_lens.max())} tokens needs {num_blocks} blocks of {block_size}"
+            )
+        state = {
+            "batch": batch,
+            "max_q": max_q,
+            "max_kv": max_kv,
+            "block_ids": paddle.to_tensor(block_table.reshape(-1)),
+            "pad_rows": None,
+            "unpad_rows": None,
+            "mask": None,
+        }
+        kv_pos = np.arange(max_kv, dtype=np.int64)
+        if max_q == 1:
+            if batch > 1 or int(seq_lens[0]) != max_kv:
+                visible = kv_pos[None, :] < seq_lens[:, None]  # [B, max_kv]
+                state["mask"] = paddle.to_tensor(np.where(visible, 0.0, -np.inf).astype(np.float32)[:, None, None, :])
+            return state
+        q_offset = np.arange(max_q, dtype=np.int64)
+        q_pos = context_lens[:, None] + q_offset[None, :]  # [B, max_q]
+        visible = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < seq_lens[:, None, None])
+        mask = np.where(visible, 0.0, -np.inf).astype(np.float32)  # [B, max_q, max_kv]
+        state["mask"] = paddle.to_tensor(mask[:, None, None, :, :])
+        if batch > 1 or max_q != int(query_lens[0]):
+            real = q_offset[None, :] < query_lens[:, None]  # [B, max_q]
+            rows = np.where(real, query_start[:-1, None] + q_offset[None, :], 0)
+            state["pad_rows"] = paddle.to_tensor(rows.reshape(-1))
+            state["unpad_rows"] = paddle.to_tensor(np.nonzero(real.reshape(-1))[0].astype(np.int64))
+        return state

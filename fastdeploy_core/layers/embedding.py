@@ -1,0 +1,55 @@
+"""Token embedding and LM head, tied or untied.
+
+The embedding keeps the checkpoint layout ``[V, H]``; the LM head keeps ``[H, V]`` because
+Paddle's CPU matmul is about twice as fast without ``transpose_y`` on this shape. A tied
+head therefore holds a transposed copy of the embedding, filled from the same checkpoint
+tensor at load time.
+"""
+
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+
+from fastdeploy_core.devices.current import current_ops
+from fastdeploy_core.layers.weights import as_float32, copy_into, new_parameter
+
+
+class VocabEmbedding(nn.Layer):
+    """``ids [T] -> [T, H]`` lookup in a ``[vocab_size, hidden_size]`` table."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.weight = new_parameter(self, [vocab_size, hidden_size])
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: paddle.Tensor, loaded, shard_id=None) -> None:
+        copy_into(param, loaded, "embedding weight")
+
+    def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
+        return current_ops().embedding(ids, self.weight)
+
+
+class LMHead(nn.Layer):
+    """``hidden [B, H] -> logits [B, V]`` (float32), weight stored ``[H, V]``.
+
+    Loaded from ``lm_head.weight`` (untied) or from the embedding tensor (tied); both arrive
+    in the checkpoint's ``[V, H]`` layout.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.weight = new_parameter(self, [hidden_size, vocab_size])
+        self.weight.weight_loader = self.weight_loader
+        self.bias = new_parameter(self, [vocab_size]) if bias else None
+
+    def weight_loader(self, param: paddle.Tensor, loaded, shard_id=None) -> None:
+        array = as_float32(loaded)
+        copy_into(param, array.T if array.ndim == 2 else array, "lm_head weight")
+
+    def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        return current_ops().linear(hidden, self.weight, self.bias)

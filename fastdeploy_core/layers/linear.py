@@ -1,0 +1,165 @@
+"""Linear layers whose computation goes through a quantization method.
+
+Weights are stored in Paddle's ``[in, out]`` layout; checkpoint (HF) weights arrive as
+``[out, in]`` and are transposed by the weight loader. A quantization method
+(``quant_method``) owns how weights are created, loaded and applied; the default
+:class:`UnquantizedLinearMethod` keeps float32 weights and calls ``current_ops().linear``.
+
+:class:`MergedColumnLinear` concatenates several projections of the same input along the
+output axis (Q/K/V, gate/up) so each is ONE matmul; each checkpoint shard is loaded into its
+column range by ``shard_id``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import paddle
+from paddle import nn
+
+from fastdeploy_core.devices.current import current_ops
+from fastdeploy_core.errors import ModelLoadError
+from fastdeploy_core.layers.weights import as_float32, new_parameter
+
+
+class LinearMethodBase:
+    """How a linear layer stores and applies its weights (the quantization plug point).
+
+    ``create_weights(layer)`` registers parameters on the layer (each with a
+    ``weight_loader``); ``process_weights_after_loading(layer)`` may repack them once all
+    shards are in; ``apply(layer, x)`` computes ``x @ W (+ b)``.
+    """
+
+    def create_weights(self, layer: "Linear") -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        """Hook after loading; nothing to do for plain float32 weights."""
+
+    def apply(self, layer: "Linear", x: paddle.Tensor) -> paddle.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """Float32 weight ``[in, out]`` (+ optional bias ``[out]``), applied by ``ops.linear``."""
+
+    def create_weights(self, layer: "Linear") -> None:
+        layer.weight = new_parameter(layer, [layer.input_size, layer.output_size])
+        layer.weight.weight_loader = layer.weight_loader
+        if layer.has_bias:
+            layer.bias = new_parameter(layer, [layer.output_size])
+            layer.bias.weight_loader = layer.weight_loader
+        else:
+            layer.bias = None
+
+    def apply(self, layer: "Linear", x: paddle.Tensor) -> paddle.Tensor:
+        return current_ops().linear(x, layer.weight, layer.bias)
+
+
+class Linear(nn.Layer):
+    """``y = x @ W (+ b)`` with ``W [input_size, output_size]``, computed by its quant method.
+
+    Args:
+        input_size / output_size: feature sizes.
+        bias: whether the layer has a bias.
+        quant_config: object with ``get_quant_method(layer, prefix)`` returning a
+            :class:`LinearMethodBase` (or ``None`` for unquantized); ``None`` = float32.
+        prefix: the layer's checkpoint name prefix (quantizers may skip some layers by name).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.input_size = int(input_size)
+        self.output_size = int(output_size)
+        self.has_bias = bool(bias)
+        self.prefix = prefix
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self)
+
+    def weight_loader(self, param: paddle.Tensor, loaded, shard_id=None) -> None:
+        """Load a checkpoint weight ``[out, in]`` (transposed here) or bias ``[out]``."""
+        array = as_float32(loaded)
+        if array.ndim == 2:
+            array = array.T
+        if tuple(array.shape) != tuple(param.shape):
+            raise ModelLoadError(
+                f"{self.prefix or 'linear'}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
+                f"a layer of {self.input_size} -> {self.output_size}"
+            )
+        param.set_value(array)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.quant_method.apply(self, x)
+
+
+class MergedColumnLinear(Linear):
+    """Several projections of one input, concatenated on the output axis: one matmul.
+
+    Args:
+        output_sizes: output size of each shard, in order.
+        shard_names: optional names of the shards (e.g. ``("q", "k", "v")``); the
+            ``shard_id`` given to :meth:`weight_loader` is a name or an index.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        quant_config=None,
+        prefix: str = "",
+        shard_names: Sequence[str] | None = None,
+    ):
+        self.output_sizes = [int(s) for s in output_sizes]
+        self.shard_names = list(shard_names) if shard_names is not None else [str(i) for i in range(len(output_sizes))]
+        if len(self.shard_names) != len(self.output_sizes):
+            raise ValueError("shard_names and output_sizes must have the same length")
+        offsets = [0]
+        for size in self.output_sizes:
+            offsets.append(offsets[-1] + size)
+        self.shard_offsets = offsets
+        super().__init__(input_size, offsets[-1], bias=bias, quant_config=quant_config, prefix=prefix)
+
+    def shard_range(self, shard_id) -> tuple[int, int]:
+        """Output columns ``[start, stop)`` of shard ``shard_id`` (name or index)."""
+        index = self.shard_names.index(shard_id) if isinstance(shard_id, str) else int(shard_id)
+        return self.shard_offsets[index], self.shard_offsets[index + 1]
+
+    def weight_loader(self, param: paddle.Tensor, loaded, shard_id=None) -> None:
+        """Load one shard's checkpoint weight ``[out_i, in]`` (or bias ``[out_i]``) into its columns."""
+        if shard_id is None:
+            return super().weight_loader(param, loaded)
+        start, stop = self.shard_range(shard_id)
+        array = as_float32(loaded)
+        expected = (stop - start, self.input_size) if array.ndim == 2 else (stop - start,)
+        if tuple(array.shape) != expected:
+            raise ModelLoadError(
+                f"{self.prefix or 'linear'} shard {shard_id!r}: checkpoint tensor of shape "
+                f"{tuple(array.shape)}, expected {expected}"
+            )
+        value = paddle.to_tensor(array.T if array.ndim == 2 else array)
+        if array.ndim == 2:
+            param[:, start:stop] = value
+        else:
+            param[start:stop] = value
+
+
+class QKVLinear(MergedColumnLinear):
+    """The fused Q/K/V projection of attention: shards ``"q"``, ``"k"``, ``"v"``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        quant_config=None,
+        prefix: str = "",
+    ):
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden_size, sizes, bias=bias, quant_config=quant_config, prefix=prefix, shard_names=("q", "k", "v"))

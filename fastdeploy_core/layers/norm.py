@@ -1,0 +1,37 @@
+"""RMSNorm, with the fused residual-add form used between decoder layers."""
+
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+
+from fastdeploy_core.devices.current import current_ops
+from fastdeploy_core.layers.weights import copy_into
+
+
+class RMSNorm(nn.Layer):
+    """Root-mean-square norm over the last axis with a learned scale (Llama style).
+
+    ``forward(x)`` returns the normed tensor; ``forward(x, residual)`` adds the residual first
+    and returns ``(normed, x + residual)`` so the next layer carries the new residual stream.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = float(eps)
+        self.weight = self.create_parameter(
+            [hidden_size], dtype="float32", default_initializer=nn.initializer.Constant(1.0)
+        )
+        self.weight.stop_gradient = True
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: paddle.Tensor, loaded, shard_id=None) -> None:
+        """Copy a checkpoint vector of shape ``[hidden_size]`` into ``param``."""
+        copy_into(param, loaded, "RMSNorm weight")
+
+    def forward(self, x: paddle.Tensor, residual: paddle.Tensor | None = None):
+        ops = current_ops()
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
