@@ -1,0 +1,136 @@
+"""``fastdeploy serve``: the OpenAI-compatible server, with FastDeploy's flag names.
+
+Precedence: built-in defaults < the ``--config`` YAML preset < flags given on the command line.
+Every flag defaults to "unset" here so that a preset value is never overridden by a default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+import typer
+
+from fastdeploy_core.errors import ConfigError, FastDeployError
+
+logger = logging.getLogger("fastdeploy.serve")
+
+#: ServerConfig keys; every other key belongs to EngineArgs.
+SERVER_KEYS = ("host", "port", "metrics_port", "engine_worker_queue_port", "api_key", "max_concurrency", "max_waiting_time")
+
+#: Flags accepted so FastDeploy command lines keep working, but that change nothing here (why).
+NO_EFFECT_FLAGS: dict[str, str] = {
+    "kv_cache_ratio": "FastDeploy splits GPU KV blocks between prefill and decode with it; "
+    "this engine's scheduler shares one block pool",
+}
+
+_NO_EFFECT_HELP = "Accepted for compatibility with FastDeploy; has no effect here."
+
+
+def load_preset(path: str) -> dict[str, Any]:
+    """A ``--config`` YAML file as flat keys (``max-num-seqs`` and ``max_num_seqs`` both work)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc.strerror}", param="config") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: {path} is not valid YAML: {exc}", param="config") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path} must hold a mapping of flag names to values", param="config")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def build_configs(preset: dict[str, Any], flags: dict[str, Any]):
+    """EngineArgs and ServerConfig from a preset and the explicit flags (flags win)."""
+    from fastdeploy_core.config import EngineArgs, ServerConfig, validate_model
+
+    merged = {**preset, **{k: v for k, v in flags.items() if v is not None}}
+    if isinstance(merged.get("api_key"), str):
+        merged["api_key"] = [merged["api_key"]]
+    server_kw = {k: merged.pop(k) for k in SERVER_KEYS if k in merged}
+    from fastdeploy_core.entrypoints.openai.auth import collect_api_keys
+
+    server_kw["api_key"] = collect_api_keys(server_kw.get("api_key"))
+    server = validate_model(ServerConfig, server_kw)
+    engine = EngineArgs.create(**merged)
+    for key, why in NO_EFFECT_FLAGS.items():
+        if key in merged:
+            logger.warning("--%s is accepted for compatibility but has no effect here: %s", key.replace("_", "-"), why)
+    return engine, server
+
+
+def serve(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "--model", help="HF model directory or .gguf file; omit for the embedded default model (SmolLM2-135M-Instruct)."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model name clients send and see in /v1/models."),
+    host: Optional[str] = typer.Option(None, "--host", help="Address to listen on (default: 0.0.0.0)."),
+    port: Optional[int] = typer.Option(None, "--port", help="HTTP port (default: 8000)."),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Also serve /metrics on this port (always on the main port too)."),
+    engine_worker_queue_port: Optional[int] = typer.Option(None, "--engine-worker-queue-port", help="127.0.0.1 port between the API process and the engine core (default: a free port)."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Longest sequence (prompt + output) in tokens (default: the model's)."),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Sequences in one batch (default: 64)."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", help="Token budget of one engine step."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per KV-cache block (default: 64)."),
+    gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="Fraction of device memory for weights + KV cache (of RAM on CPU)."),
+    num_gpu_blocks_override: Optional[int] = typer.Option(None, "--num-gpu-blocks-override", help="Exact number of KV-cache blocks."),
+    kv_cache_ratio: Optional[float] = typer.Option(None, "--kv-cache-ratio", help=_NO_EFFECT_HELP),
+    tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", help="Tensor-parallel degree."),
+    model_impl: Optional[str] = typer.Option(None, "--model-impl", help="auto | fastdeploy | paddleformers."),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help="Quantization method name or FastDeploy JSON."),
+    enable_prefix_caching: Optional[bool] = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes (default: on)."),
+    enable_chunked_prefill: Optional[bool] = typer.Option(None, "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts over several steps (default: on)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device name or auto."),
+    api_key: Optional[list[str]] = typer.Option(None, "--api-key", help="Accepted API key (repeatable); also env FD_API_KEY (comma-separated)."),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="Requests in the server at once; more get 429 (default: 512)."),
+    max_waiting_time: Optional[float] = typer.Option(None, "--max-waiting-time", help="Seconds a request may wait for an engine slot before 503; -1 = forever (default: -1)."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja chat template (a file path or the template text)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Engine seed for unseeded sampling."),
+    config: Optional[str] = typer.Option(None, "--config", help="YAML preset of these flags (dash or underscore names); flags given here win."),
+    log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
+) -> None:
+    """Start the OpenAI-compatible server (engine core in its own process)."""
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s [%(name)s] %(message)s",
+    )
+    flags = {
+        "model": model, "served_model_name": served_model_name, "host": host, "port": port,
+        "metrics_port": metrics_port, "engine_worker_queue_port": engine_worker_queue_port,
+        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
+        "gpu_memory_utilization": gpu_memory_utilization, "num_gpu_blocks_override": num_gpu_blocks_override,
+        "kv_cache_ratio": kv_cache_ratio, "tensor_parallel_size": tensor_parallel_size, "model_impl": model_impl,
+        "quantization": quantization, "enable_prefix_caching": enable_prefix_caching,
+        "enable_chunked_prefill": enable_chunked_prefill, "device": device, "api_key": api_key or None,
+        "max_concurrency": max_concurrency, "max_waiting_time": max_waiting_time,
+        "chat_template": _read_template(chat_template), "seed": seed,
+    }
+    try:
+        preset = load_preset(config) if config else {}
+        if "chat_template" in preset:
+            preset["chat_template"] = _read_template(preset["chat_template"])
+        engine_args, server = build_configs(preset, flags)
+    except FastDeployError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+    from fastdeploy_core.entrypoints.openai.api_server import run_server
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    run_server(engine_args, server, log_level=log_level.lower())
+
+
+def _read_template(value: str | None) -> str | None:
+    """``--chat-template`` is a path when such a file exists, else the template itself."""
+    if value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` to the ``fastdeploy`` command line."""
+    app.command("serve", help="Start the OpenAI-compatible server (FastDeploy's flags).")(serve)

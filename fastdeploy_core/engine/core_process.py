@@ -1,0 +1,147 @@
+"""The engine core in its own process, driven over one pyzmq DEALER socket on 127.0.0.1.
+
+The API process binds the socket (so the port it picked is really free) and starts this process,
+which connects back. Messages are pickled tuples:
+
+API -> core: ``("add", EngineCoreRequest)``, ``("abort", [request_id, ...])``, ``("shutdown",)``
+core -> API: ``("ready", info)``, ``("startup_failed", error)``, ``("outputs", [EngineCoreOutput], stats)``,
+``("stats", stats)``, ``("request_error", request_id, error)``, ``("dead", error)``
+
+where ``error`` is a dict ``{message, type, status, param, code}`` (typed errors keep their
+HTTP status across the process boundary). Inputs are drained between steps, so an abort frees
+the request's KV blocks before the next step runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+logger = logging.getLogger("fastdeploy.engine_core")
+
+#: How long the idle loop sleeps in poll(); bounds how late a shutdown or parent death is seen.
+IDLE_POLL_MS = 100
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """A picklable description of ``exc`` that keeps the HTTP mapping of typed errors."""
+    return {
+        "message": getattr(exc, "message", None) or str(exc) or type(exc).__name__,
+        "type": getattr(exc, "error_type", "internal_error"),
+        "status": int(getattr(exc, "http_status", 500)),
+        "param": getattr(exc, "param", None),
+        "code": getattr(exc, "code", None),
+        "exc_type": type(exc).__name__,
+    }
+
+
+def run_engine_core(engine_args: dict[str, Any], address: str, parent_pid: int, log_level: int = logging.INFO) -> None:
+    """Process entry point: build the engine, then serve requests until told to stop.
+
+    ``engine_args`` is ``EngineArgs.flat()``; ``parent_pid`` lets the core exit on its own when the
+    API process disappears without a goodbye (SIGKILL), so no core is ever orphaned.
+    """
+    # Paddle pins OMP to one thread at import when unset; the engine gets the whole machine.
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(message)s", stream=sys.stderr)
+    # Ctrl-C reaches the whole process group; the API process decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stopping = {"flag": False}
+
+    def _on_term(signum, frame):  # noqa: ARG001
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, _on_term)
+
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(address)
+    try:
+        _serve(sock, engine_args, parent_pid, stopping)
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def _serve(sock, engine_args: dict[str, Any], parent_pid: int, stopping: dict[str, bool]) -> None:
+    import zmq
+
+    try:
+        from fastdeploy_core.config import EngineArgs
+        from fastdeploy_core.engine.engine_core import EngineCore
+
+        engine = EngineCore(EngineArgs.create(**engine_args))
+    except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits with it
+        logger.error("engine core failed to start: %s", exc)
+        logger.debug("%s", traceback.format_exc())
+        sock.send_pyobj(("startup_failed", error_payload(exc)))
+        return
+
+    sock.send_pyobj(("ready", _ready_info(engine)))
+    logger.info("engine core ready (pid %d)", os.getpid())
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    stats_dirty = False
+    last_parent_check = time.monotonic()
+
+    while not stopping["flag"]:
+        busy = engine.has_unfinished_requests()
+        timeout = 0 if busy else IDLE_POLL_MS
+        # Drain every pending input before the next step: adds join the batch, aborts free blocks.
+        while dict(poller.poll(timeout)).get(sock):
+            timeout = 0
+            msg = sock.recv_pyobj()
+            kind = msg[0]
+            if kind == "add":
+                request = msg[1]
+                try:
+                    engine.add_request(request)
+                except Exception as exc:  # noqa: BLE001 - a bad request must not kill the core
+                    sock.send_pyobj(("request_error", request.request_id, error_payload(exc)))
+            elif kind == "abort":
+                engine.abort_requests(list(msg[1]))
+            elif kind == "shutdown":
+                stopping["flag"] = True
+                break
+            stats_dirty = True
+        if stopping["flag"]:
+            break
+
+        now = time.monotonic()
+        if now - last_parent_check > IDLE_POLL_MS / 1000:
+            last_parent_check = now
+            if os.getppid() != parent_pid:
+                logger.error("API process %d is gone; engine core exits", parent_pid)
+                return
+
+        if engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # noqa: BLE001 - fatal: report why, then exit
+                logger.error("engine step failed, engine core stops:\n%s", traceback.format_exc())
+                sock.send_pyobj(("dead", error_payload(exc)))
+                raise SystemExit(1) from None
+            sock.send_pyobj(("outputs", outputs, engine.get_stats()))
+            stats_dirty = False
+        elif stats_dirty:
+            sock.send_pyobj(("stats", engine.get_stats()))
+            stats_dirty = False
+    logger.info("engine core shutting down")
+
+
+def _ready_info(engine: Any) -> dict[str, Any]:
+    info: dict[str, Any] = {"max_model_len": engine.max_model_len, "pid": os.getpid()}
+    try:
+        info["config_info"] = engine.config_info()
+    except Exception as exc:  # noqa: BLE001 - informative only
+        info["config_info"] = {"error": str(exc)}
+    info["stats"] = engine.get_stats()
+    return info

@@ -1,0 +1,280 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory and ``python -m`` entry point.
+
+The API process holds the tokenizer (chat template, tokenize, detokenize, stop strings); the
+engine core runs in its own process (:mod:`fastdeploy_core.engine.core_client`). Routes:
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/v1/abort_requests``,
+``/tokenize``, ``/detokenize`` (these need the API key when one is set), ``/health``, ``/ping``,
+``/metrics``, ``/config-info``.
+
+``python -m fastdeploy_core.entrypoints.openai.api_server --model ...`` takes the same flags as
+``fastdeploy serve``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from fastdeploy_core.config import EngineArgs, ServerConfig
+from fastdeploy_core.entrypoints.openai.auth import APIKeyChecker
+from fastdeploy_core.entrypoints.openai.errors import error_body, install_exception_handlers, parse_body
+from fastdeploy_core.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from fastdeploy_core.entrypoints.openai.protocol import (
+    AbortRequest,
+    AbortResponse,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+logger = logging.getLogger("fastdeploy.serve")
+
+
+def _json(model: Any, status: int = 200) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json"), status_code=status)
+
+
+def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
+    """The app; its lifespan loads the tokenizer, starts the engine core and stops it again."""
+    from fastdeploy_core.entrypoints.openai.serving_chat import create_chat_completion, render_chat_prompt
+    from fastdeploy_core.entrypoints.openai.serving_completion import create_completion
+    from fastdeploy_core.entrypoints.openai.serving_engine import Admission, ServingState
+
+    holder: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from fastdeploy_core.engine.core_client import AsyncEngineClient, EngineCoreClient
+        from fastdeploy_core.engine.output_processor import OutputProcessor
+        from fastdeploy_core.loader.model_source import resolve_model_source
+        from fastdeploy_core.tokenizer import load_tokenizer
+
+        source = resolve_model_source(engine_args.model.model)
+        tokenizer = load_tokenizer(source)
+        core = EngineCoreClient(engine_args.flat(), port=server.engine_worker_queue_port,
+                                log_level=logging.getLogger().getEffectiveLevel())
+        engine = AsyncEngineClient(core, OutputProcessor(tokenizer))
+        await engine.start()
+        served = engine_args.model.served_model_name or _default_served_name(engine_args.model.model, source.path)
+        admission = Admission(server.max_concurrency, engine_args.scheduler.max_num_seqs, server.max_waiting_time)
+        metrics = ServerMetrics(lambda: engine.stats, lambda: admission.num_waiting)
+        state = ServingState(
+            engine=engine,
+            tokenizer=tokenizer,
+            served_model_name=served,
+            model_source=source.path,
+            metrics=metrics,
+            admission=admission,
+            chat_template=engine_args.model.chat_template,
+            generation_config=source.generation_config,
+            accepted_model_names={engine_args.model.model} if engine_args.model.model else set(),
+        )
+        holder["state"] = state
+        metrics_server = None
+        if server.metrics_port and server.metrics_port != server.port:
+            metrics_server = _start_metrics_server(metrics, server.host, server.metrics_port)
+        logger.info(
+            "serving %s (max_model_len %d) on http://%s:%d; engine core pid %d on 127.0.0.1:%d",
+            served, engine.max_model_len, server.host, server.port, core.process.pid, core.port,
+        )
+        try:
+            yield
+        finally:
+            logger.info("shutting down: stopping the engine core")
+            for rid in engine.active_request_ids():
+                engine.abort([rid])
+            await engine.shutdown()
+            if metrics_server is not None:
+                metrics_server.shutdown()
+                metrics_server.server_close()
+            holder.pop("state", None)
+            logger.info("engine core stopped")
+
+    app = FastAPI(title="fastdeploy-core OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_exception_handlers(app)
+    auth = APIKeyChecker(server.api_key)
+    protected = APIRouter(dependencies=[Depends(auth)])
+
+    def state() -> ServingState:
+        return holder["state"]
+
+    def engine_down() -> JSONResponse | None:
+        err = state().engine.dead_error
+        if err is None:
+            return None
+        return JSONResponse(error_body(err.message, err.error_type, None, err.code), status_code=503)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return engine_down() or JSONResponse({"status": "ok"})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return engine_down() or JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state().metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/config-info")
+    async def config_info() -> JSONResponse:
+        s = state()
+        return JSONResponse(
+            {
+                "served_model_name": s.served_model_name,
+                "model": s.model_source,
+                "max_model_len": s.max_model_len,
+                "engine_args": engine_args.flat(),
+                "server": server.model_dump(exclude={"api_key"}),
+                "engine": s.engine.config_info,
+                "engine_core_pid": s.engine.core.process.pid if s.engine.core.process else None,
+                "engine_worker_queue_port": s.engine.core.port,
+            }
+        )
+
+    @protected.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        s = state()
+        card = ModelCard(id=s.served_model_name, root=s.model_source, max_model_len=s.max_model_len)
+        return _json(ModelList(data=[card]))
+
+    @protected.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        req = parse_body(ChatCompletionRequest, await raw.body())
+        result = await create_chat_completion(state(), req, raw)
+        return result if isinstance(result, Response) else _json(result)
+
+    @protected.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        req = parse_body(CompletionRequest, await raw.body())
+        result = await create_completion(state(), req, raw)
+        return result if isinstance(result, Response) else _json(result)
+
+    @protected.post("/v1/abort_requests")
+    async def abort_requests(raw: Request) -> JSONResponse:
+        req = parse_body(AbortRequest, await raw.body())
+        engine = state().engine
+        active = engine.active_request_ids()
+        wanted = active if req.abort_all else req.req_ids
+        aborted = [rid for rid in wanted if rid in active]
+        # Closing the request's stream is what aborts it: fail its queue so the handler ends.
+        for rid in aborted:
+            engine.abort([rid])
+            engine._fail_request(rid, _aborted_error(rid))
+        return _json(AbortResponse(aborted=aborted, not_found=[r for r in wanted if r not in active]))
+
+    @protected.post("/tokenize")
+    async def tokenize(raw: Request) -> JSONResponse:
+        req = parse_body(TokenizeRequest, await raw.body())
+        s = state()
+        s.check_model(req.model)
+        if req.messages is not None:
+            chat = ChatCompletionRequest(
+                messages=req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+            _, ids = render_chat_prompt(s, chat)
+        else:
+            ids = list(s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return _json(TokenizeResponse(count=len(ids), max_model_len=s.max_model_len, tokens=ids))
+
+    @protected.post("/detokenize")
+    async def detokenize(raw: Request) -> JSONResponse:
+        req = parse_body(DetokenizeRequest, await raw.body())
+        s = state()
+        s.check_model(req.model)
+        vocab = getattr(s.tokenizer, "vocab_size", None)
+        if vocab and any(t < 0 or t >= vocab for t in req.tokens):
+            from fastdeploy_core.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"tokens: ids must be in [0, {vocab})", param="tokens")
+        return _json(DetokenizeResponse(prompt=s.tokenizer.decode(req.tokens, skip_special_tokens=False)))
+
+    app.include_router(protected)
+    return app
+
+
+def _aborted_error(request_id: str):
+    from fastdeploy_core.entrypoints.openai.errors import APIError
+
+    return APIError(f"request {request_id} was aborted through /v1/abort_requests", status=499,
+                    error_type="request_aborted", code="aborted")
+
+
+def _default_served_name(model: str | None, path: str) -> str:
+    from fastdeploy_core.default_model import DEFAULT_MODEL_NAME
+
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return model
+
+
+def _start_metrics_server(metrics: ServerMetrics, host: str, port: int):
+    """Prometheus text on its own port (``--metrics-port``), in a thread."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's naming
+            if self.path.split("?")[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            body = metrics.render()
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # keep the server log for requests that matter
+            pass
+
+    import threading
+
+    httpd = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=httpd.serve_forever, name="metrics-server", daemon=True).start()
+    logger.info("metrics on http://%s:%d/metrics", host, port)
+    return httpd
+
+
+def run_server(engine_args: EngineArgs, server: ServerConfig, log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM; the engine core is stopped before this returns."""
+    import uvicorn
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    app = build_app(engine_args, server)
+    config = uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        access_log=False,
+    )
+    uvicorn.Server(config).run()
+
+
+def main() -> None:
+    """``python -m fastdeploy_core.entrypoints.openai.api_server``: the flags of ``fastdeploy serve``."""
+    import typer
+
+    from fastdeploy_core.cli.serve import register
+
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    register(app)
+    app()
+
+
+if __name__ == "__main__":
+    main()

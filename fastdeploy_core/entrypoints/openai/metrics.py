@@ -1,0 +1,125 @@
+"""Prometheus metrics under FastDeploy's ``fastdeploy:`` names.
+
+Latencies and token counts are observed in the API process, per request; the engine's state
+(running/waiting requests, KV blocks, prefix-cache hits) is read from the latest statistics the
+engine core sent, at scrape time, so ``/metrics`` is never staler than one engine step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+try:  # created-timestamps double the output for no use here
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()
+except ImportError:  # pragma: no cover - old prometheus_client
+    pass
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class _EngineStateCollector:
+    """Gauges computed from the engine's latest statistics when Prometheus scrapes."""
+
+    def __init__(self, get_stats: Callable[[], dict[str, Any]], get_api_waiting: Callable[[], int]):
+        self._get_stats = get_stats
+        self._get_api_waiting = get_api_waiting
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self._get_stats() or {}
+        total = int(s.get("num_total_blocks", 0) or 0)
+        free = int(s.get("num_free_blocks", 0) or 0)
+        usage = s.get("cache_usage")
+        if usage is None:
+            usage = (total - free) / total if total else 0.0
+        hit_tokens = s.get("prefix_cache_hit_tokens", s.get("prefix_hit_tokens", 0)) or 0
+        queried = s.get("prefix_cache_queried_tokens", s.get("prefix_query_tokens", 0)) or 0
+        hit_reqs = s.get("prefix_cache_hit_requests", s.get("prefix_hit_requests", 0)) or 0
+        queries = s.get("prefix_cache_queries", s.get("prefix_queries", 0)) or 0
+        values = {
+            "num_requests_running": ("Requests being computed by the engine", s.get("num_requests_running", 0)),
+            "num_requests_waiting": (
+                "Requests waiting for the engine (in its queue or for a free slot)",
+                int(s.get("num_requests_waiting", 0) or 0) + self._get_api_waiting(),
+            ),
+            "gpu_cache_usage_perc": ("KV-cache usage (fraction of blocks in use; CPU memory here)", usage),
+            "free_gpu_block_num": ("Free KV-cache blocks", free),
+            "max_gpu_block_num": ("KV-cache blocks allocated at startup", total),
+            "hit_token_rate": ("Prefix-cache hit rate over prompt tokens", hit_tokens / queried if queried else 0.0),
+            "hit_req_rate": ("Prefix-cache hit rate over requests", hit_reqs / queries if queries else 0.0),
+        }
+        for name, (doc, value) in values.items():
+            yield GaugeMetricFamily(f"fastdeploy:{name}", doc, value=float(value or 0))
+
+
+class ServerMetrics:
+    """All metrics of one server, in their own registry (several servers may live in one process)."""
+
+    def __init__(self, get_stats: Callable[[], dict[str, Any]], get_api_waiting: Callable[[], int] = lambda: 0):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "fastdeploy:time_to_first_token_seconds", "Time to first token", registry=r, buckets=_LATENCY_BUCKETS)
+        self.time_per_output_token = Histogram(
+            "fastdeploy:time_per_output_token_seconds", "Time per output token after the first",
+            registry=r, buckets=_LATENCY_BUCKETS)
+        self.e2e_latency = Histogram(
+            "fastdeploy:e2e_request_latency_seconds", "End-to-end request latency", registry=r,
+            buckets=_LATENCY_BUCKETS)
+        self.queue_time = Histogram(
+            "fastdeploy:request_queue_time_seconds", "Time a request waited before reaching the engine",
+            registry=r, buckets=_LATENCY_BUCKETS)
+        self.request_prompt_tokens = Histogram(
+            "fastdeploy:request_prompt_tokens", "Prompt tokens per request", registry=r, buckets=_TOKEN_BUCKETS)
+        self.request_generation_tokens = Histogram(
+            "fastdeploy:request_generation_tokens", "Generated tokens per request", registry=r,
+            buckets=_TOKEN_BUCKETS)
+        self.prompt_tokens = Counter("fastdeploy:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("fastdeploy:generation_tokens", "Tokens generated", registry=r)
+        self.request_success = Counter("fastdeploy:request_success", "Requests finished successfully", registry=r)
+        self.requests_number = Counter("fastdeploy:requests_number", "Requests received", registry=r)
+        r.register(_EngineStateCollector(get_stats, get_api_waiting))
+        self._lock = threading.Lock()
+
+    def render(self) -> bytes:
+        with self._lock:
+            return generate_latest(self.registry)
+
+    def observe_request(
+        self,
+        *,
+        arrival: float,
+        admitted: float | None,
+        first_token: float | None,
+        finished: float,
+        prompt_tokens: int,
+        generation_tokens: int,
+        success: bool,
+    ) -> None:
+        """Record one finished sequence (each of ``n`` choices counts once)."""
+        if admitted is not None:
+            self.queue_time.observe(max(0.0, admitted - arrival))
+        if first_token is not None:
+            self.time_to_first_token.observe(max(0.0, first_token - arrival))
+            if generation_tokens > 1:
+                self.time_per_output_token.observe(max(0.0, finished - first_token) / (generation_tokens - 1))
+        self.e2e_latency.observe(max(0.0, finished - arrival))
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        if success:
+            self.request_success.inc()
