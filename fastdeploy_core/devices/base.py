@@ -8,8 +8,12 @@ has fused kernels for. Everything else is inherited from the plain-Paddle refere
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
+
+#: Environment variable that picks the attention backend when ``--attention-backend`` is not given.
+ATTENTION_BACKEND_ENV = "FD_ATTENTION_BACKEND"
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,11 @@ class Device:
     priority: ClassVar[int] = 0
     #: Paddle dtypes this device computes in, first is the default.
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
-    #: Collective backend for ``paddle.distributed`` (gloo, nccl, bkcl, rccl, xccl).
+    #: Collective backend, as ``paddle.distributed`` names it (gloo, nccl, bkcl, xccl).
     dist_backend: ClassVar[str] = "gloo"
+    #: Environment Paddle's collective layer needs for this device, e.g. custom devices set
+    #: ``PADDLE_XCCL_BACKEND`` to their device type so ``xccl`` loads the vendor's library.
+    dist_env: ClassVar[dict[str, str]] = {}
     #: Whether the decode step can be captured as a graph on this device.
     supports_graph_capture: ClassVar[bool] = False
     #: Quantization method names (registry names) this device runs.
@@ -96,18 +103,28 @@ class Device:
 
     @classmethod
     def select_attention_backend(cls, requested: str | None) -> str:
-        """Pick ``requested`` (or the default) among :attr:`attention_backends`."""
+        """Pick ``requested``, else env ``FD_ATTENTION_BACKEND``, else the default (the first).
+
+        Names are matched case-insensitively; an unknown name is a :class:`ConfigError`
+        listing the backends this device offers.
+        """
         from fastdeploy_core.errors import ConfigError
 
+        source = "--attention-backend"
+        if not requested:
+            requested = os.environ.get(ATTENTION_BACKEND_ENV, "").strip() or None
+            source = ATTENTION_BACKEND_ENV
         if not requested:
             return cls.attention_backends[0]
-        if requested not in cls.attention_backends:
-            raise ConfigError(
-                f"attention backend {requested!r} is not offered by device {cls.name!r}; "
-                f"available: {', '.join(cls.attention_backends)}",
-                param="attention_backend",
-            )
-        return requested
+        wanted = requested.strip().lower()
+        for backend in cls.attention_backends:
+            if backend.lower() == wanted:
+                return backend
+        raise ConfigError(
+            f"attention backend {requested!r} (from {source}) is not offered by device {cls.name!r}; "
+            f"available: {', '.join(cls.attention_backends)}",
+            param="attention_backend",
+        )
 
     @classmethod
     def describe(cls) -> dict:
@@ -116,16 +133,25 @@ class Device:
             avail = cls.detect()
         except Exception as exc:  # detection must never take the CLI down
             avail = Availability.no(f"detection raised {type(exc).__name__}: {exc}")
+        try:
+            count = cls.device_count() if avail.available else 0
+        except Exception as exc:  # same rule: report, never crash
+            count = 0
+            avail = Availability.no(f"device_count raised {type(exc).__name__}: {exc}")
+        ops_cls = cls.ops_class
         return {
             "name": cls.name,
             "paddle_device_type": cls.paddle_device_type,
             "available": avail.available,
             "reason": avail.reason,
+            "device_count": count,
             "priority": cls.priority,
             "supported_dtypes": list(cls.supported_dtypes),
             "dist_backend": cls.dist_backend,
+            "dist_env": dict(cls.dist_env),
             "supports_graph_capture": cls.supports_graph_capture,
             "quantization_methods": list(cls.quantization_methods),
             "attention_backends": list(cls.attention_backends),
             "package": cls.package,
+            "ops_class": f"{ops_cls.__module__}.{ops_cls.__qualname__}" if ops_cls else "reference",
         }

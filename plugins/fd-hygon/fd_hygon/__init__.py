@@ -1,8 +1,13 @@
-"""fastdeploy-core plugin fd-hygon (device plugin; its Device declaration arrives with the device-contract work).
-
-Registers nothing yet: it must not pretend to provide a device it does not declare.
-"""
+"""fastdeploy-core plugin fd-hygon: the ``dcu`` device (Hygon DCUs through Paddle's ROCm build)."""
 
 from fastdeploy_core import PLUGIN_API_VERSION
+from fastdeploy_core.hookspecs import hookimpl
 
 FD_PLUGIN_API_VERSION = PLUGIN_API_VERSION
+
+
+@hookimpl
+def register_devices(register):
+    from fd_hygon.device import HygonDcu
+
+    register(HygonDcu)

@@ -1,8 +1,13 @@
-"""fastdeploy-core plugin fd-kunlunxin (device plugin; its Device declaration arrives with the device-contract work).
-
-Registers nothing yet: it must not pretend to provide a device it does not declare.
-"""
+"""fastdeploy-core plugin fd-kunlunxin: the ``xpu`` device (Kunlunxin XPUs through Paddle's XPU build)."""
 
 from fastdeploy_core import PLUGIN_API_VERSION
+from fastdeploy_core.hookspecs import hookimpl
 
 FD_PLUGIN_API_VERSION = PLUGIN_API_VERSION
+
+
+@hookimpl
+def register_devices(register):
+    from fd_kunlunxin.device import KunlunxinXpu
+
+    register(KunlunxinXpu)

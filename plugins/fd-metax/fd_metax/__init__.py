@@ -1,8 +1,13 @@
-"""fastdeploy-core plugin fd-metax (device plugin; its Device declaration arrives with the device-contract work).
-
-Registers nothing yet: it must not pretend to provide a device it does not declare.
-"""
+"""fastdeploy-core plugin fd-metax: the ``metax_gpu`` device (MetaX GPUs (C550) as a Paddle custom device)."""
 
 from fastdeploy_core import PLUGIN_API_VERSION
+from fastdeploy_core.hookspecs import hookimpl
 
 FD_PLUGIN_API_VERSION = PLUGIN_API_VERSION
+
+
+@hookimpl
+def register_devices(register):
+    from fd_metax.device import MetaxGpu
+
+    register(MetaxGpu)
