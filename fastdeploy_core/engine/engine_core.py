@@ -1,0 +1,259 @@
+"""The engine core: scheduler + block manager + model runner, driven one step at a time.
+
+It runs in-process (``LLM``, :class:`~fastdeploy_core.engine.llm_engine.LLMEngine`) or inside
+the server's engine process. It sees token ids only; text lives in the
+:class:`~fastdeploy_core.engine.output_processor.OutputProcessor` next to the tokenizer.
+
+API (stable; the server's engine process is built on it)::
+
+    core = EngineCore(args)                      # EngineArgs; loads the model, sizes the KV cache
+    core.add_request(EngineCoreRequest(request_id, prompt_token_ids, sampling_params,
+                                       arrival_time=None, priority=0))
+                                                 # validates: ContextLengthExceededError,
+                                                 # InvalidRequestError (nothing is queued then)
+    outputs = core.step()                        # list[EngineCoreOutput]: one per choice that got
+                                                 # tokens or finished in this step
+    core.abort_requests([request_id, ...])       # frees KV blocks now; no output is emitted
+    core.has_unfinished_requests() -> bool
+    core.get_stats() -> dict                     # running/waiting, blocks, cache usage, prefix hits,
+                                                 # prompt/generation token totals, preemptions
+    core.config_info() -> dict                   # resolved settings (blocks, max_model_len, device…)
+    core.max_model_len, core.model_source, core.eos_token_ids
+
+``EngineCoreRequest`` / ``EngineCoreOutput`` (in :mod:`fastdeploy_core.engine.outputs`) are
+plain dataclasses of builtins. A request with ``sampling_params.n > 1`` runs as ``n`` choices
+(core ids ``"{request_id}#{i}"``, seeds ``seed + i``); outputs carry the user's ``request_id``
+and the choice ``index``; ``abort_requests`` takes a request id (every choice) or a choice id.
+Finishing on eos / ``stop_token_ids`` / ``max_tokens`` / ``max_model_len`` happens here; stop
+strings are found by the OutputProcessor, whose ``reqs_to_abort`` the caller passes back to
+``abort_requests``.
+
+:func:`validate_prompt` is the same check ``add_request`` does, for the API process to
+answer 400 before queuing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.engine.block_manager import BlockManager
+from fastdeploy_core.engine.outputs import EngineCoreOutput, EngineCoreRequest, choice_request_id
+from fastdeploy_core.engine.request import Request, RequestStatus
+from fastdeploy_core.engine.sampling_params import SamplingParams
+from fastdeploy_core.engine.scheduler import Scheduler
+from fastdeploy_core.errors import ContextLengthExceededError, InvalidRequestError
+
+
+def validate_prompt(
+    prompt_token_ids: list[int],
+    sampling_params: SamplingParams | None,
+    max_model_len: int,
+    vocab_size: int | None = None,
+) -> None:
+    """Raise a typed 400 error if the prompt cannot be served (nothing else is checked here)."""
+    if not prompt_token_ids:
+        raise InvalidRequestError(
+            "the prompt is empty; send at least one token of text (or prompt_token_ids)", param="prompt"
+        )
+    n = len(prompt_token_ids)
+    if n >= max_model_len:
+        raise ContextLengthExceededError(
+            f"the prompt has {n} tokens but max_model_len is {max_model_len} (the prompt must leave room "
+            f"for at least one generated token); shorten the prompt to at most {max_model_len - 1} tokens "
+            "or raise --max-model-len",
+            param="prompt",
+        )
+    if vocab_size:
+        bad = [t for t in prompt_token_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt_token_ids holds {len(bad)} id(s) outside the vocabulary [0, {vocab_size}) "
+                f"(first: {bad[0]!r}); send token ids of this model's tokenizer",
+                param="prompt_token_ids",
+            )
+    if sampling_params is not None:
+        sampling_params.validate()
+
+
+class EngineCore:
+    """See the module docstring."""
+
+    def __init__(self, args: EngineArgs, plugin_manager=None):
+        from fastdeploy_core.executor.model_runner import ModelRunner
+
+        self.args = args
+        self.runner = ModelRunner(args, plugin_manager)
+        self.model_source = self.runner.source
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.vocab_size
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, args.cache.block_size, args.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=args.scheduler.max_num_seqs,
+            max_num_batched_tokens=self.runner.max_num_batched_tokens,
+            enable_chunked_prefill=args.scheduler.enable_chunked_prefill,
+            policy=args.scheduler.policy,
+        )
+        self.eos_token_ids = self._model_eos_ids()
+        self._seed_sequence = np.random.SeedSequence(args.model.seed)
+        self._choices: dict[str, list[str]] = {}  # request id -> core ids of its choices
+        self._parent: dict[str, str] = {}  # core id -> request id
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self.num_requests_finished = 0
+        self.num_requests_aborted = 0
+
+    def _model_eos_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        for cfg in (self.model_source.generation_config, self.model_source.hf_config):
+            value = cfg.get("eos_token_id")
+            for tok in value if isinstance(value, list) else [value]:
+                if isinstance(tok, int) and tok not in ids:
+                    ids.append(tok)
+        return tuple(ids)
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Validate and queue ``req`` (all its choices); typed errors leave nothing behind."""
+        params = req.sampling_params
+        if isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        if params is None:
+            params = SamplingParams()
+        validate_prompt(req.prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        if req.request_id in self._choices or req.request_id in self._parent:
+            raise InvalidRequestError(
+                f"request id {req.request_id!r} is already running; use a unique id", param="request_id"
+            )
+        prompt = [int(t) for t in req.prompt_token_ids]
+        max_total = self.max_model_len
+        if params.max_tokens is not None:
+            max_total = min(max_total, len(prompt) + params.max_tokens)
+        arrival = req.arrival_time if req.arrival_time is not None else time.time()
+        ids: list[str] = []
+        for index in range(params.n):
+            choice_params = params.child(index) if params.n > 1 else params
+            eos = set(choice_params.stop_token_ids or ())
+            if not choice_params.ignore_eos:
+                eos.update(self.eos_token_ids)
+            if choice_params.seed is not None:
+                generator = np.random.default_rng(choice_params.seed)
+            else:
+                generator = np.random.default_rng(self._seed_sequence.spawn(1)[0])
+            core_id = choice_request_id(req.request_id, index, params.n)
+            request = Request(
+                request_id=core_id,
+                prompt_token_ids=prompt,
+                sampling_params=choice_params,
+                arrival_time=arrival,
+                priority=req.priority,
+                parent_id=req.request_id,
+                index=index,
+                eos_token_ids=tuple(sorted(eos)),
+                max_total_tokens=max_total,
+                generator=generator,
+            )
+            self.scheduler.add_request(request)
+            self._parent[core_id] = req.request_id
+            ids.append(core_id)
+        self._choices[req.request_id] = ids
+        self.num_prompt_tokens_total += len(prompt) * params.n
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """End the given requests (or single choices) now and free their KV blocks."""
+        core_ids: list[str] = []
+        for rid in request_ids:
+            if rid in self._choices:
+                core_ids.extend(self._choices[rid])
+            elif rid in self._parent:
+                core_ids.append(rid)
+        aborted = self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
+        self.num_requests_aborted += len(aborted)
+        for req in aborted:
+            self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        parent = self._parent.pop(req.request_id, None)
+        if parent is None:
+            return
+        choices = self._choices.get(parent)
+        if choices is not None and not any(c in self._parent for c in choices):
+            del self._choices[parent]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model once, sample, and report what changed."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        sampled = self.runner.execute_model(sched_out)
+        self.scheduler.update(sched_out, sampled)
+        outputs: list[EngineCoreOutput] = []
+        for (req, _), token in zip(sched_out.scheduled, sampled):
+            if token is None or req.status == RequestStatus.FINISHED_ABORTED:
+                continue
+            self.num_generation_tokens_total += 1
+            prompt_logprobs = None
+            if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                prompt_logprobs = req.prompt_logprobs
+                req.prompt_logprobs_sent = True
+            logprobs = None
+            if req.pending_logprobs:
+                logprobs, req.pending_logprobs = req.pending_logprobs, []
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req.parent_id,
+                    index=req.index,
+                    new_token_ids=[token],
+                    new_logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                    finished=req.is_finished,
+                    finish_reason=req.status.finish_reason,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+            if req.is_finished:
+                self.num_requests_finished += 1
+                self._forget(req)
+        return outputs
+
+    # ---- introspection ---------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+            "cache_usage": bm.usage,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "prefix_cache_query_tokens": bm.prefix_query_tokens,
+            "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
+            "prompt_tokens_total": self.num_prompt_tokens_total,
+            "generation_tokens_total": self.num_generation_tokens_total,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_requests_finished": self.num_requests_finished,
+            "num_requests_aborted": self.num_requests_aborted,
+        }
+
+    def config_info(self) -> dict:
+        info = self.runner.describe()
+        info.update(
+            max_num_seqs=self.args.scheduler.max_num_seqs,
+            enable_chunked_prefill=self.args.scheduler.enable_chunked_prefill,
+            enable_prefix_caching=self.args.cache.enable_prefix_caching,
+            policy=self.args.scheduler.policy,
+            eos_token_ids=list(self.eos_token_ids),
+            generation_config=dict(self.model_source.generation_config),
+        )
+        return info

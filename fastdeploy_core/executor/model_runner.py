@@ -1,0 +1,259 @@
+"""The model runner: device work only (the scheduler decides, the runner executes).
+
+It builds the model through the plugin registry (device -> ops table -> model class ->
+weights), sizes and allocates the paged KV cache, and executes one
+:class:`~fastdeploy_core.engine.scheduler.SchedulerOutput` per step:
+
+* every scheduled token of every request is flattened into one ragged batch
+  (:class:`~fastdeploy_core.executor.forward_meta.ForwardMeta`: input ids, positions, slot
+  mapping, block tables) built on the host with numpy; the model runs once over it;
+* logits are computed only for the last token of each sequence that completes its prompt or
+  decodes this step (plus all prompt rows of requests asking for ``prompt_logprobs``);
+* the :class:`~fastdeploy_core.executor.sampler.Sampler` picks the tokens.
+
+KV cache size: ``--num-gpu-blocks-override`` if given; else ``gpu_memory_utilization`` of the
+device's free memory measured after the weights are loaded, minus an activation estimate for
+one step of ``max_num_batched_tokens`` tokens. It is capped at what ``max_num_seqs`` sequences
+of ``max_model_len`` tokens can use. On the cpu the cache is zero-initialised lazily (pages are
+committed by the OS when first written), so a large budget costs RAM only as it fills.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402
+
+from fastdeploy_core.config import EngineArgs  # noqa: E402
+from fastdeploy_core.devices.current import set_current_ops  # noqa: E402
+from fastdeploy_core.engine.request import Request  # noqa: E402
+from fastdeploy_core.engine.scheduler import SchedulerOutput  # noqa: E402
+from fastdeploy_core.errors import ConfigError, OutOfKVCacheError  # noqa: E402
+from fastdeploy_core.executor.forward_meta import ForwardMeta  # noqa: E402
+from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = 4  # float32 KV cache (the only matmul dtype of Paddle's CPU build)
+_MiB = 1 << 20
+
+
+def default_max_num_batched_tokens(args: EngineArgs, max_model_len: int) -> int:
+    """The step token budget when the user gave none."""
+    if args.scheduler.max_num_batched_tokens is not None:
+        return args.scheduler.max_num_batched_tokens
+    if args.scheduler.enable_chunked_prefill:
+        return 2048
+    return max(2048, max_model_len)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the sampler; see the module docstring."""
+
+    def __init__(self, args: EngineArgs, plugin_manager=None):
+        from fastdeploy_core.loader import load_model_weights, resolve_model_source
+        from fastdeploy_core.plugins import load_plugins
+
+        self.args = args
+        pm = plugin_manager or load_plugins()
+        self.device_cls = pm.select_device(args.parallel.device)
+        paddle.set_device(self.device_cls.paddle_place())
+        self.ops = self.device_cls.make_ops(args.parallel.attention_backend)
+        set_current_ops(self.ops)
+
+        self.source = resolve_model_source(args.model.model)
+        model_cls = pm.resolve_model(self.source.architecture, args.model.model_impl)
+        paddle.seed(args.model.seed)
+        self.model = model_cls(self.source.hf_config, quant_config=args.quant.parsed())
+        load_model_weights(self.model, self.source)
+        self.model.eval()
+
+        cfg = self.source.hf_config
+        self.vocab_size = int(cfg.get("vocab_size", 0))
+        max_positions = int(cfg.get("max_position_embeddings") or 2048)
+        if args.model.max_model_len is not None and args.model.max_model_len > max_positions:
+            raise ConfigError(
+                f"max_model_len: got {args.model.max_model_len}; the model supports at most "
+                f"{max_positions} positions (max_position_embeddings); lower --max-model-len",
+                param="max_model_len",
+            )
+        self.max_model_len = args.model.max_model_len or max_positions
+        self.block_size = args.cache.block_size
+        self.max_num_batched_tokens = default_max_num_batched_tokens(args, self.max_model_len)
+        self.num_blocks = self._determine_num_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.sampler = Sampler()
+
+    # ---- KV cache --------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        layers, kv_heads, head_dim = self.model.kv_cache_spec()
+        return 2 * layers * self.block_size * kv_heads * head_dim * _DTYPE_BYTES
+
+    def activation_bytes(self) -> int:
+        """Peak temporary memory of one step of ``max_num_batched_tokens`` tokens (an estimate)."""
+        cfg = self.source.hf_config
+        hidden = int(cfg.get("hidden_size", 0))
+        inter = int(cfg.get("intermediate_size", 0))
+        heads = int(cfg.get("num_attention_heads", 1))
+        tokens = self.max_num_batched_tokens
+        context = min(self.max_model_len, tokens + self.block_size) if tokens < self.max_model_len else self.max_model_len
+        per_token = 8 * hidden + 4 * inter  # residual, norms, qkv, attention out; gate/up/act
+        scores = 3 * heads * tokens * context  # scores, mask, probs of the reference attention
+        logits = 2 * self.args.scheduler.max_num_seqs * self.vocab_size
+        return _DTYPE_BYTES * (tokens * per_token + scores + logits)
+
+    def _determine_num_blocks(self) -> int:
+        cache = self.args.cache
+        needed = -(-self.max_model_len // self.block_size)
+        per_block = self.bytes_per_block
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+            how = f"--num-gpu-blocks-override {num_blocks}"
+        else:
+            mem = self.device_cls.memory_info()
+            activation = self.activation_bytes()
+            budget = int(mem.free_bytes * cache.gpu_memory_utilization) - activation
+            num_blocks = max(0, budget // per_block)
+            cap = needed * self.args.scheduler.max_num_seqs
+            num_blocks = min(num_blocks, cap)
+            how = (
+                f"--gpu-memory-utilization {cache.gpu_memory_utilization} of {mem.free_bytes / _MiB:.0f} MiB free "
+                f"{self.device_cls.name} memory after the weights, minus {activation / _MiB:.0f} MiB for activations"
+            )
+        if num_blocks < needed:
+            fits = num_blocks * self.block_size
+            raise OutOfKVCacheError(
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens ({fits} tokens, "
+                f"{num_blocks * per_block / _MiB:.1f} MiB, from {how}) but one sequence of max_model_len="
+                f"{self.max_model_len} needs {needed} blocks ({needed * per_block / _MiB:.1f} MiB); lower "
+                f"--max-model-len to at most {fits}, or give the cache more room: raise "
+                "--gpu-memory-utilization or --num-gpu-blocks-override, or lower --max-num-batched-tokens",
+                param="max_model_len",
+            )
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), %s", num_blocks, self.block_size, num_blocks * per_block / _MiB, how)
+        return int(num_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
+        layers, kv_heads, head_dim = self.model.kv_cache_spec()
+        shape = (num_blocks, self.block_size, kv_heads, head_dim)
+        caches = []
+        if self.device_cls.paddle_device_type == "cpu":
+            # numpy's calloc-backed zeros, shared with Paddle through DLPack: no copy, and the
+            # OS commits pages only when the cache first writes them.
+            self._host_buffers = []
+            for _ in range(layers):
+                pair = []
+                for _ in range(2):
+                    buf = np.zeros(shape, dtype=np.float32)
+                    self._host_buffers.append(buf)
+                    pair.append(paddle.utils.dlpack.from_dlpack(buf))
+                caches.append((pair[0], pair[1]))
+            return caches
+        for _ in range(layers):
+            caches.append((paddle.zeros(shape, dtype="float32"), paddle.zeros(shape, dtype="float32")))
+        return caches
+
+    # ---- one step --------------------------------------------------------------------------
+    def prepare_inputs(self, out: SchedulerOutput) -> ForwardMeta:
+        """Flatten the step's scheduled tokens into one ragged batch (host-side numpy)."""
+        reqs = [r for r, _ in out.scheduled]
+        q_lens = np.fromiter((n for _, n in out.scheduled), dtype=np.int64, count=len(reqs))
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs))
+        seq_lens = starts + q_lens
+        query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        input_ids = np.fromiter(
+            (t for (r, n), s in zip(out.scheduled, starts) for t in r.all_token_ids[s : s + n]),
+            dtype=np.int64,
+            count=num_tokens,
+        )
+        row_seq = np.repeat(np.arange(len(reqs)), q_lens)
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - starts, q_lens)
+        max_blocks = max(len(r.block_table) for r in reqs)
+        block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            block_tables[i, : len(r.block_table)] = r.block_table
+        bs = self.block_size
+        slot_mapping = block_tables[row_seq, positions // bs] * bs + positions % bs
+        return ForwardMeta(
+            input_ids=paddle.to_tensor(input_ids),
+            positions=paddle.to_tensor(positions),
+            slot_mapping=paddle.to_tensor(slot_mapping),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            block_size=bs,
+            logits_indices=paddle.to_tensor(query_start_loc[1:] - 1),
+        )
+
+    @paddle.no_grad()
+    def execute_model(self, out: SchedulerOutput) -> list[int | None]:
+        """Run one step; returns the sampled token of each scheduled request (None mid-prompt).
+
+        Logprobs go to ``request.pending_logprobs``; prompt logprobs to ``request.prompt_logprobs``.
+        """
+        if out.is_empty:
+            return []
+        meta = self.prepare_inputs(out)
+        hidden = self.model.forward(meta, self.kv_caches)
+        self._prompt_logprobs(out, meta, hidden)
+
+        sample_rows = [i for i in range(len(out.scheduled)) if out.samples(i)]
+        result: list[int | None] = [None] * len(out.scheduled)
+        if not sample_rows:
+            return result
+        rows = meta.query_start_loc[1:][sample_rows] - 1
+        last_hidden = paddle.index_select(hidden, paddle.to_tensor(rows), axis=0)
+        logits = self.model.compute_logits(last_hidden)
+        reqs = [out.scheduled[i][0] for i in sample_rows]
+        sampled = self.sampler(logits, reqs)
+        for i, req, token, lp in zip(sample_rows, reqs, sampled.token_ids, sampled.logprobs):
+            result[i] = token
+            if lp is not None:
+                req.pending_logprobs.append(lp)
+        return result
+
+    def _prompt_logprobs(self, out: SchedulerOutput, meta: ForwardMeta, hidden) -> None:
+        for i, (req, n) in enumerate(out.scheduled):
+            num = req.sampling_params.prompt_logprobs
+            if num is None or req.prompt_logprobs_sent:
+                continue
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None]
+            start = req.num_computed_tokens
+            # row for position p predicts prompt token p + 1
+            first = max(start, len(req.prompt_logprobs) - 1)
+            last = min(start + n, req.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            rows = meta.query_start_loc[i] + np.arange(first - start, last - start)
+            logits = self.model.compute_logits(paddle.index_select(hidden, paddle.to_tensor(rows), axis=0))
+            lps = log_softmax(logits.numpy())
+            for k, pos in enumerate(range(first, last)):
+                target = req.prompt_token_ids[pos + 1]
+                req.prompt_logprobs.append(top_logprobs(lps[k], target, num))
+
+    def describe(self) -> dict:
+        """Resolved settings, for ``EngineCore.config_info``."""
+        layers, kv_heads, head_dim = self.model.kv_cache_spec()
+        return {
+            "model": self.source.path,
+            "model_format": self.source.format,
+            "architecture": self.source.architecture,
+            "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
+            "device": self.device_cls.name,
+            "attention_backend": self.ops.attention_backend,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "num_gpu_blocks": self.num_blocks,
+            "kv_cache_bytes": self.num_blocks * self.bytes_per_block,
+            "kv_cache_spec": {"num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim},
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "vocab_size": self.vocab_size,
+        }

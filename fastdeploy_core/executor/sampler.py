@@ -1,0 +1,143 @@
+"""Token sampling from the logits of one step.
+
+Greedy batches (no penalties, no logprobs, nothing masked) take a fast path: one ``argmax`` on
+the device. Everything else runs on the host in numpy, one row per sequence (this is sampling,
+not the forward pass): repetition / frequency / presence penalties, ``bad_words``, masking of
+stop tokens before ``min_tokens``, temperature, top-k, top-p, min-p, then inverse-CDF sampling
+with a uniform drawn from the request's own ``numpy.random.Generator`` — so a seeded request
+draws exactly one number per generated token and gets the same tokens whatever else is in
+the batch.
+
+Logprobs are the log-softmax of the raw logits (before penalties and temperature): a dict per
+token with the sampled token first, then the top ``logprobs`` tokens by rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fastdeploy_core.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    """``token_ids[i]`` sampled for row ``i``; ``logprobs[i]`` when that request asked."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64, copy=False)
+    m = np.max(x, axis=-1, keepdims=True)
+    return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+
+
+def top_logprobs(row_logprobs: np.ndarray, chosen: int, num: int) -> dict[int, float]:
+    """``{chosen: lp, top1: lp, ...}`` (the chosen token first, then ``num`` best by rank)."""
+    out = {int(chosen): float(row_logprobs[chosen])}
+    if num > 0:
+        top = np.argpartition(-row_logprobs, num - 1)[:num]
+        top = top[np.argsort(-row_logprobs[top], kind="stable")]
+        for tok in top:
+            out.setdefault(int(tok), float(row_logprobs[tok]))
+    return out
+
+
+def _needs_host(req: Request) -> bool:
+    sp = req.sampling_params
+    return (
+        not sp.is_greedy
+        or sp.logprobs is not None
+        or sp.resolved("repetition_penalty") != 1.0
+        or sp.presence_penalty != 0.0
+        or sp.frequency_penalty != 0.0
+        or bool(sp.bad_words_token_ids)
+        or req.num_output_tokens < sp.min_tokens
+    )
+
+
+class Sampler:
+    """Samples one token per row of ``logits [B, V]`` for the requests ``reqs``."""
+
+    def __call__(self, logits, reqs: list[Request]) -> SamplerOutput:
+        if not any(_needs_host(r) for r in reqs):
+            import paddle
+
+            ids = paddle.argmax(logits, axis=-1).numpy().reshape(-1)
+            return SamplerOutput([int(t) for t in ids], [None] * len(reqs))
+        host = logits.numpy() if hasattr(logits, "numpy") else np.asarray(logits)
+        tokens: list[int] = []
+        logprobs: list[dict[int, float] | None] = []
+        for row, req in zip(host, reqs):
+            token = self.sample_row(row, req)
+            tokens.append(token)
+            if req.sampling_params.logprobs is not None:
+                logprobs.append(top_logprobs(log_softmax(row), token, req.sampling_params.logprobs))
+            else:
+                logprobs.append(None)
+        return SamplerOutput(tokens, logprobs)
+
+    @staticmethod
+    def apply_penalties_and_masks(row: np.ndarray, req: Request) -> np.ndarray:
+        """Penalties, bad words and the min_tokens mask on a float32 copy of ``row``."""
+        sp = req.sampling_params
+        x = np.array(row, dtype=np.float32, copy=True)
+        vocab = x.shape[0]
+        rep = sp.resolved("repetition_penalty")
+        if rep != 1.0:
+            seen = np.unique(np.asarray(req.all_token_ids, dtype=np.int64))
+            seen = seen[seen < vocab]
+            vals = x[seen]
+            x[seen] = np.where(vals > 0, vals / rep, vals * rep)
+        if (sp.frequency_penalty or sp.presence_penalty) and req.output_token_ids:
+            ids, counts = np.unique(np.asarray(req.output_token_ids, dtype=np.int64), return_counts=True)
+            keep = ids < vocab
+            ids, counts = ids[keep], counts[keep]
+            x[ids] -= sp.frequency_penalty * counts + sp.presence_penalty
+        if sp.bad_words_token_ids:
+            out = req.output_token_ids
+            for seq in sp.bad_words_token_ids:
+                prefix = seq[:-1]
+                if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix):
+                    if seq[-1] < vocab:
+                        x[seq[-1]] = -np.inf
+        if req.num_output_tokens < sp.min_tokens:
+            for tok in req.eos_token_ids:
+                if tok < vocab:
+                    x[tok] = -np.inf
+        return x
+
+    def sample_row(self, row: np.ndarray, req: Request) -> int:
+        sp = req.sampling_params
+        x = self.apply_penalties_and_masks(row, req)
+        if sp.is_greedy:
+            return int(np.argmax(x))
+        x = x.astype(np.float64) / sp.resolved("temperature")
+        top_k = sp.resolved("top_k")
+        if 0 < top_k < x.shape[0]:
+            kth = np.partition(x, -top_k)[-top_k]
+            x[x < kth] = -np.inf
+        probs = np.exp(x - np.max(x))
+        probs /= probs.sum()
+        top_p = sp.resolved("top_p")
+        if top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cum = np.cumsum(probs[order])
+            # keep the smallest prefix whose mass reaches top_p (always the best token)
+            cut = int(np.searchsorted(cum, top_p, side="left")) + 1
+            mask = np.ones_like(probs, dtype=bool)
+            mask[order[:cut]] = False
+            probs[mask] = 0.0
+        min_p = sp.resolved("min_p")
+        if min_p > 0.0:
+            probs[probs < min_p * probs.max()] = 0.0
+        cdf = np.cumsum(probs)
+        u = req.generator.random() if req.generator is not None else np.random.random()
+        token = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+        token = min(token, x.shape[0] - 1)
+        while probs[token] == 0.0 and token > 0:  # float edge at the top of the CDF
+            token -= 1
+        return token
