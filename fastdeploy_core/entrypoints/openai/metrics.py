@@ -45,10 +45,10 @@ class _EngineStateCollector:
         usage = s.get("cache_usage")
         if usage is None:
             usage = (total - free) / total if total else 0.0
-        hit_tokens = s.get("prefix_cache_hit_tokens", s.get("prefix_hit_tokens", 0)) or 0
-        queried = s.get("prefix_cache_queried_tokens", s.get("prefix_query_tokens", 0)) or 0
-        hit_reqs = s.get("prefix_cache_hit_requests", s.get("prefix_hit_requests", 0)) or 0
-        queries = s.get("prefix_cache_queries", s.get("prefix_queries", 0)) or 0
+        hit_tokens = s.get("prefix_cache_hit_tokens", 0) or 0
+        queried = s.get("prefix_cache_query_tokens", 0) or 0
+        hit_reqs = s.get("prefix_cache_hits", 0) or 0
+        queries = s.get("prefix_cache_queries", 0) or 0
         values = {
             "num_requests_running": ("Requests being computed by the engine", s.get("num_requests_running", 0)),
             "num_requests_waiting": (
