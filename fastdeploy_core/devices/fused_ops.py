@@ -28,9 +28,11 @@ from fastdeploy_core.devices.reference_ops import ReferenceOps
 try:
     from paddle.incubate.nn.functional import fused_rms_norm as _fused_rms_norm
     from paddle.incubate.nn.functional import fused_rotary_position_embedding as _fused_rope
-    from paddle.incubate.nn.functional import swiglu as _swiglu
+    from paddle.incubate.nn.functional import swiglu as _incubate_swiglu
 except ImportError:  # pragma: no cover - a Paddle without the incubate fused API
-    _fused_rms_norm = _fused_rope = _swiglu = None
+    _fused_rms_norm = _fused_rope = _incubate_swiglu = None
+# Paddle 3.3 moved swiglu to paddle.nn.functional (the incubate name is deprecated there).
+_swiglu = getattr(F, "swiglu", None) or _incubate_swiglu
 
 #: Python entry point -> the phi kernel it launches (what the registry is asked about).
 RMS_NORM_KERNEL = "fused_rms_norm_quant"
