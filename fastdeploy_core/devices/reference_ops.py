@@ -23,7 +23,7 @@ import paddle.nn.functional as F
 
 try:  # present in CPU builds of Paddle 3.x; the plain formulas below are the fallback
     from paddle.incubate.nn.functional import fused_rms_norm as _fused_rms_norm
-    from paddle.incubate.nn.functional import swiglu as _swiglu
+    from paddle.nn.functional import swiglu as _swiglu
 except ImportError:  # pragma: no cover - depends on the Paddle build
     _fused_rms_norm = None
     _swiglu = None
