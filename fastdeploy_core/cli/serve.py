@@ -120,7 +120,11 @@ def serve(
     from fastdeploy_core.entrypoints.openai.api_server import run_server
 
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    run_server(engine_args, server, log_level=log_level.lower())
+    try:
+        run_server(engine_args, server, log_level=log_level.lower())
+    except FastDeployError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _read_template(value: str | None) -> str | None:

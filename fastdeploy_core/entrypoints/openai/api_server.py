@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from fastdeploy_core.config import EngineArgs, ServerConfig
+from fastdeploy_core.errors import FastDeployError
 from fastdeploy_core.entrypoints.openai.auth import APIKeyChecker
 from fastdeploy_core.entrypoints.openai.errors import error_body, install_exception_handlers, parse_body
 from fastdeploy_core.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
@@ -50,21 +51,27 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
     from fastdeploy_core.entrypoints.openai.serving_completion import create_completion
     from fastdeploy_core.entrypoints.openai.serving_engine import Admission, ServingState
 
+    from fastdeploy_core.loader.model_source import resolve_model_source
+    from fastdeploy_core.tokenizer import load_tokenizer
+
+    # Resolved before serving so a wrong --model fails at once with its own message.
+    source = resolve_model_source(engine_args.model.model)
+    tokenizer = load_tokenizer(source)
     holder: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         from fastdeploy_core.engine.core_client import AsyncEngineClient, EngineCoreClient
         from fastdeploy_core.engine.output_processor import OutputProcessor
-        from fastdeploy_core.loader.model_source import resolve_model_source
-        from fastdeploy_core.tokenizer import load_tokenizer
 
-        source = resolve_model_source(engine_args.model.model)
-        tokenizer = load_tokenizer(source)
         core = EngineCoreClient(engine_args.flat(), port=server.engine_worker_queue_port,
                                 log_level=logging.getLogger().getEffectiveLevel())
         engine = AsyncEngineClient(core, OutputProcessor(tokenizer))
-        await engine.start()
+        try:
+            await engine.start()
+        except FastDeployError as exc:
+            logger.error("the engine core could not start: %s", exc.message)
+            raise
         served = engine_args.model.served_model_name or _default_served_name(engine_args.model.model, source.path)
         admission = Admission(server.max_concurrency, engine_args.scheduler.max_num_seqs, server.max_waiting_time)
         metrics = ServerMetrics(lambda: engine.stats, lambda: admission.num_waiting)
