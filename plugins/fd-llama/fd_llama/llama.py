@@ -210,6 +210,8 @@ class LlamaForCausalLM(nn.Layer):
             try:
                 param.weight_loader(param, array, shard)
             except ModelLoadError as exc:
+                if param_name.rsplit(".", 1)[0] in exc.message:
+                    raise
                 raise ModelLoadError(f"tensor for {param_name}: {exc.message}") from None
             loaded.setdefault(param_name, set()).add(shard)
 
