@@ -60,6 +60,7 @@ class FusedOps(ReferenceOps):
         super().__init__(attention_backend=attention_backend or self.attention_backends[0])
         #: op name -> "fused <kernel>" or "reference (no <kernel> for <place>/<dtype>)"
         self.kernel_choices: dict[str, str] = {}
+        self._cast_caches: dict[tuple, tuple] = {}
 
     def _use(self, op: str, kernel: str, fn, tensor: paddle.Tensor) -> bool:
         if fn is not None and has_kernel(kernel, tensor):
@@ -100,7 +101,8 @@ class FusedOps(ReferenceOps):
         rotated in two calls because their head counts differ under GQA.
         """
         if not self._use("rotary_embedding", ROPE_KERNEL, _fused_rope, q):
-            return super().rotary_embedding(positions, q, k, cos_sin_cache)
+            # The model's cache is float32; in a half dtype the reference formula needs it cast.
+            return super().rotary_embedding(positions, q, k, self._cache_as(cos_sin_cache, q.dtype))
         rows = paddle.index_select(cos_sin_cache, positions, axis=0)  # [T, 2, d]
         half = q.shape[-1] // 2
         cos = rows[:, 0, :].astype(q.dtype).unsqueeze([0, 2])  # [1, T, 1, d]
@@ -111,6 +113,16 @@ class FusedOps(ReferenceOps):
         if k is not None:
             k_out = _fused_rope(k.unsqueeze(0), sin=sin, cos=cos, use_neox_rotary_style=False)[0].squeeze(0)
         return q_out, k_out
+
+    def _cache_as(self, cache: paddle.Tensor, dtype) -> paddle.Tensor:
+        if cache.dtype == dtype:
+            return cache
+        key = (id(cache), str(dtype))
+        cast = self._cast_caches.get(key)
+        if cast is None or cast[0] is not cache:
+            cast = (cache, cache.astype(dtype))
+            self._cast_caches[key] = cast
+        return cast[1]
 
     # ---- attention ----------------------------------------------------------------------------
     def paged_attention(self, q, k_cache, v_cache, meta, scale: float):

@@ -353,8 +353,16 @@ def tiny_llama(seed: int = 0, dtype: str = "float32"):
         from fd_llama.llama import LlamaForCausalLM
     except ImportError as exc:
         raise CheckSkipped(f"fd-llama is not installed ({exc}); the end-to-end check needs it") from None
+    from fastdeploy_core.layers import rotary
+
     rng = np.random.default_rng(seed)
-    model = LlamaForCausalLM(dict(TINY_LLAMA_CONFIG))
+    # Layers share one rotary cache per setting process-wide; the kit builds the reference and the
+    # target model on different places, so each build gets its own cache on its own place.
+    shared, rotary._SHARED_CACHES = rotary._SHARED_CACHES, {}
+    try:
+        model = LlamaForCausalLM(dict(TINY_LLAMA_CONFIG))
+    finally:
+        rotary._SHARED_CACHES = shared
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         shape = tuple(param.shape)
         if name.endswith("norm.weight"):
