@@ -1,0 +1,360 @@
+"""The PaddleFormers fallback model: any dense decoder PaddleFormers builds, served by our engine.
+
+:class:`PaddleFormersForCausalLM` has the model interface of the native models
+(``forward(meta, kv_caches) -> hidden [T, H]``, ``compute_logits``, ``load_weights``,
+``kv_cache_spec``), so the engine runs it unchanged. Inside:
+
+* PaddleFormers builds the family's base model from the checkpoint's config, on the default
+  float32 dtype, with the fused kernels the device may lack switched off
+  (``fuse_rms_norm=False``: ``fused_rms_norm_ext`` has no CPU kernel);
+* its attention kernel is the core paged attention, reached through PaddleFormers'
+  attention-function table (:mod:`fd_paddleformers.attention`);
+* its ``nn.Linear`` layers become core :class:`~fastdeploy_core.layers.linear.Linear` (so
+  quantization methods apply), its RMS norms the core ``RMSNorm`` and its token embedding the
+  core ``VocabEmbedding`` (device ops); the LM head is the core ``LMHead``;
+* weights load from the HF checkpoint names through PaddleFormers' own mapping declaration
+  (:mod:`fd_paddleformers.weight_mapping`).
+
+The whole step is one ragged batch ``[1, T]``: RoPE follows ``meta.positions`` and attention
+follows the block tables, so no per-request work happens in Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterable
+
+import numpy as np
+import paddle
+from paddle import nn
+
+from fastdeploy_core.errors import ModelLoadError, UnsupportedArchitectureError
+from fastdeploy_core.executor.forward_meta import ForwardMeta
+from fastdeploy_core.layers.attention import Attention
+from fastdeploy_core.layers.embedding import LMHead, VocabEmbedding
+from fastdeploy_core.layers.linear import Linear, LinearMethodBase
+from fastdeploy_core.layers.norm import RMSNorm
+from fd_paddleformers.architectures import NotServableError, PaddleFormersTarget, resolve_target
+from fd_paddleformers.attention import (
+    ATTENTION_IMPLEMENTATION,
+    BINDING_ATTRIBUTE,
+    PagedAttentionBinding,
+    StepContext,
+    register_paged_attention,
+)
+from fd_paddleformers.weight_mapping import Rule, UnsupportedMappingError, build_rules, fuse
+
+logger = logging.getLogger(__name__)
+
+#: config switches forced on every PaddleFormers config: one device, no training features,
+#: no fused kernels that a device may lack (each is a no-op for families that do not read it)
+CONFIG_OVERRIDES = {
+    "dtype": "float32",
+    "tensor_model_parallel_size": 1,
+    "sequence_parallel": False,
+    "use_cache": False,
+    "fuse_rms_norm": False,
+    "use_fused_rms_norm": False,
+    "apply_rope_fusion": False,
+    "use_fused_rope": False,
+    "recompute": False,
+    "recompute_granularity": None,
+}
+#: checkpoint keys that only drive HF behaviour and would confuse the PaddleFormers config
+DROPPED_CONFIG_KEYS = ("torch_dtype", "dtype", "transformers_version", "quantization_config", "auto_map")
+#: checkpoint tensors no implementation needs
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _sliding_window_problem(hf_config: dict) -> str | None:
+    window = hf_config.get("sliding_window")
+    if window is None or hf_config.get("use_sliding_window") is False:
+        return None
+    max_positions = int(hf_config.get("max_position_embeddings") or 0)
+    if max_positions and int(window) >= max_positions:
+        return None  # the window never cuts anything off
+    return (
+        f"sliding-window attention (sliding_window={window} < max_position_embeddings={max_positions}) "
+        "is not implemented by the paged attention yet"
+    )
+
+
+def make_paddleformers_config(target: PaddleFormersTarget, hf_config: dict):
+    """PaddleFormers' config for the checkpoint, with :data:`CONFIG_OVERRIDES` applied."""
+    values = {k: v for k, v in hf_config.items() if k not in DROPPED_CONFIG_KEYS}
+    values.update(CONFIG_OVERRIDES)
+    values["_attn_implementation"] = ATTENTION_IMPLEMENTATION
+    act = str(values.get("hidden_act", "silu"))
+    # PaddleFormers' MLP applies swiglu (silu(gate) * up) as one op only when told to
+    values["fuse_swiglu"] = act in ("silu", "swish")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = target.config_cls(**values)
+    for key, value in CONFIG_OVERRIDES.items():
+        setattr(config, key, value)
+    config._attn_implementation = ATTENTION_IMPLEMENTATION
+    return config
+
+
+def mapping_rules(target: PaddleFormersTarget, config) -> list[Rule]:
+    """The checkpoint -> parameter rules PaddleFormers declares for the base model."""
+    generate = getattr(target.base_model_cls, "_gen_aoa_config", None)
+    if generate is None:
+        raise NotServableError(f"{target.base_model_cls.__name__} declares no checkpoint mapping (_gen_aoa_config)")
+    statements = generate(config)["aoa_statements"]
+    try:
+        return build_rules(statements, int(config.num_hidden_layers))
+    except UnsupportedMappingError as exc:
+        raise NotServableError(f"its checkpoint mapping uses a form the fallback does not load: {exc}") from None
+
+
+def check_servable(hf_config: dict) -> tuple[PaddleFormersTarget, object, list[Rule]]:
+    """Resolve and validate without building the model; raises :class:`NotServableError`."""
+    target = resolve_target(hf_config)
+    problem = _sliding_window_problem(hf_config)
+    if problem:
+        raise NotServableError(problem)
+    config = make_paddleformers_config(target, hf_config)
+    rules = mapping_rules(target, config)
+    return target, config, rules
+
+
+def _paddleformers_rms_norm_class():
+    from paddleformers.nn.norm import RMSNorm as PaddleFormersRMSNorm
+
+    return PaddleFormersRMSNorm
+
+
+class PaddleFormersForCausalLM(nn.Layer):
+    """A PaddleFormers base model adapted to the engine's model interface (see the module doc).
+
+    Args:
+        hf_config: the checkpoint's ``config.json`` as a dict.
+        quant_config: the engine's quantization config (``get_quant_method(layer, prefix)``),
+            applied to every linear layer; ``None`` keeps float32 weights.
+    """
+
+    def __init__(self, hf_config: dict, quant_config=None):
+        super().__init__()
+        architecture = (hf_config.get("architectures") or ["<no architectures>"])[0]
+        try:
+            target, pf_config, rules = check_servable(hf_config)
+        except NotServableError as exc:
+            raise UnsupportedArchitectureError(
+                f"the PaddleFormers fallback cannot serve {architecture}: {exc}"
+            ) from None
+        register_paged_attention()
+        self.config = hf_config
+        self.pf_config = pf_config
+        self.target = target
+        self.quant_config = quant_config
+        previous_dtype = paddle.get_default_dtype()
+        paddle.set_default_dtype("float32")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.model = target.base_model_cls(pf_config)
+        finally:
+            paddle.set_default_dtype(previous_dtype)
+        self.model.eval()
+
+        self.num_layers = int(pf_config.num_hidden_layers)
+        self.num_heads = int(pf_config.num_attention_heads)
+        self.num_kv_heads = int(getattr(pf_config, "num_key_value_heads", None) or self.num_heads)
+        self.hidden_size = int(pf_config.hidden_size)
+        self.head_dim = int(getattr(pf_config, "head_dim", None) or self.hidden_size // self.num_heads)
+        self.vocab_size = int(pf_config.vocab_size)
+        self.tie_word_embeddings = bool(getattr(pf_config, "tie_word_embeddings", False))
+
+        self._step = StepContext()
+        self._linear_weights: set[str] = set()
+        self._swap_layers()
+        self._bind_attention(architecture)
+        self.lm_head = LMHead(self.vocab_size, self.hidden_size)
+        self.rules = rules
+        self._check_rules(architecture)
+
+    # ---- building --------------------------------------------------------------------------
+    def _replacement(self, child: nn.Layer, path: str, pf_rms_norm: type) -> nn.Layer | None:
+        if type(child) is nn.Linear:
+            in_features, out_features = child.weight.shape
+            layer = Linear(
+                in_features, out_features, bias=child.bias is not None, quant_config=self.quant_config, prefix=f"model.{path}"
+            )
+            self._linear_weights.add(f"{path}.weight")
+            return layer
+        if type(child) is pf_rms_norm:
+            return RMSNorm(int(child.weight.shape[0]), float(child.variance_epsilon))
+        if path == "embed_tokens" and type(child) is nn.Embedding:
+            num, dim = child.weight.shape
+            return VocabEmbedding(int(num), int(dim))
+        return None
+
+    def _swap_layers(self) -> None:
+        """Replace PaddleFormers' linears, RMS norms and embedding by the core layers, in place."""
+        pf_rms_norm = _paddleformers_rms_norm_class()
+        parents = [("", self.model)] + [(name, layer) for name, layer in self.model.named_sublayers()]
+        for parent_path, parent in parents:
+            for name, child in list(parent._sub_layers.items()):
+                if child is None:
+                    continue
+                path = f"{parent_path}.{name}" if parent_path else name
+                new = self._replacement(child, path, pf_rms_norm)
+                if new is not None:
+                    setattr(parent, name, new)
+        leftovers = [n for n, layer in self.model.named_sublayers() if type(layer) is nn.Linear]
+        if leftovers:
+            raise UnsupportedArchitectureError(f"linear layers left unswapped: {leftovers[:5]}")
+        if not isinstance(getattr(self.model, "embed_tokens", None), VocabEmbedding):
+            raise UnsupportedArchitectureError(
+                f"{type(self.model).__name__} has no plain token embedding 'embed_tokens' the fallback can drive"
+            )
+        for name, param in self.model.named_parameters():
+            if param.dtype != paddle.float32:
+                raise UnsupportedArchitectureError(f"PaddleFormers built {name} as {param.dtype}, not float32")
+
+    def _bind_attention(self, architecture: str) -> None:
+        layers = getattr(self.model, "layers", None)
+        if layers is None or len(layers) != self.num_layers:
+            raise UnsupportedArchitectureError(
+                f"the PaddleFormers fallback cannot serve {architecture}: its base model has no "
+                f"'layers' list of {self.num_layers} decoder layers"
+            )
+        for index, layer in enumerate(layers):
+            attn = getattr(layer, "self_attn", None)
+            if attn is None:
+                raise UnsupportedArchitectureError(
+                    f"the PaddleFormers fallback cannot serve {architecture}: decoder layer {index} has no self_attn"
+                )
+            scale = getattr(attn, "scaling", None)
+            core_attention = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale)
+            setattr(attn, BINDING_ATTRIBUTE, PagedAttentionBinding(index, core_attention, self._step))
+
+    def _check_rules(self, architecture: str) -> None:
+        params = dict(self.model.named_parameters())
+        targets = {r.dest for r in self.rules if r.dest is not None}
+        stray = sorted(d for d in targets if d not in params and not d.startswith("lm_head."))
+        if stray:
+            raise UnsupportedArchitectureError(
+                f"the PaddleFormers fallback cannot serve {architecture}: PaddleFormers' mapping names "
+                f"parameters its base model does not have: {', '.join(stray[:5])}"
+            )
+        unmapped = sorted(p for p in params if p not in targets)
+        if unmapped:
+            raise UnsupportedArchitectureError(
+                f"the PaddleFormers fallback cannot serve {architecture}: no checkpoint tensor is mapped to "
+                f"{', '.join(unmapped[:5])}"
+            )
+
+    # ---- the model interface -----------------------------------------------------------------
+    def forward(self, meta: ForwardMeta, kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]]) -> paddle.Tensor:
+        """Hidden states ``[T, H]`` of the step's flattened tokens (after the final norm)."""
+        self._step.meta = meta
+        self._step.kv_caches = kv_caches
+        try:
+            embeds = self.model.embed_tokens(meta.input_ids).unsqueeze(0)
+            out = self.model(
+                inputs_embeds=embeds, position_ids=meta.positions.unsqueeze(0), use_cache=False, return_dict=False
+            )
+        finally:
+            self._step.meta = None
+            self._step.kv_caches = None
+        hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
+        return hidden.reshape([-1, self.hidden_size])
+
+    def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        return self.lm_head(hidden)
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """``(num_layers, num_kv_heads, head_dim)`` of the paged KV cache this model needs."""
+        return self.num_layers, self.num_kv_heads, self.head_dim
+
+    def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
+        """Load HF-named checkpoint tensors through PaddleFormers' mapping rules.
+
+        Raises :class:`ModelLoadError` for a tensor no rule takes, a shape mismatch, or
+        parameters the checkpoint did not provide.
+        """
+        params = dict(self.model.named_parameters())
+        by_source: dict[str, list[Rule]] = {}
+        for rule in self.rules:
+            for source in rule.sources:
+                by_source.setdefault(source, []).append(rule)
+        pending: dict[int, dict[str, np.ndarray]] = {}
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        head_loaded = False
+        embed_source = next((r.sources[0] for r in self.rules if r.dest == "embed_tokens.weight"), None)
+
+        def put(dest: str, array: np.ndarray, transposed: bool) -> None:
+            param = params[dest]
+            loader = getattr(param, "weight_loader", None)
+            try:
+                if loader is not None:
+                    if dest in self._linear_weights and array.ndim == 2 and not transposed:
+                        array = array.T  # stored [in, out]; the core linear loader takes [out, in]
+                    loader(param, array)
+                else:
+                    value = np.asarray(array.T if transposed and array.ndim == 2 else array, dtype=np.float32)
+                    if tuple(value.shape) != tuple(param.shape):
+                        raise ModelLoadError(f"checkpoint shape {value.shape}, parameter shape {tuple(param.shape)}")
+                    param.set_value(value)
+            except ModelLoadError as exc:
+                raise ModelLoadError(f"tensor for {dest}: {exc.message}") from None
+            loaded.add(dest)
+
+        for name, array in weights:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight":
+                if not self.tie_word_embeddings:
+                    self.lm_head.weight.weight_loader(self.lm_head.weight, array)
+                    head_loaded = True
+                continue  # a tied head is the embedding; HF ignores a stored copy as well
+            rules = by_source.get(name)
+            if not rules:
+                unexpected.append(name)
+                continue
+            if name == embed_source and self.tie_word_embeddings:
+                self.lm_head.weight.weight_loader(self.lm_head.weight, array)
+                head_loaded = True
+            for rule in rules:
+                if rule.dest is None or rule.dest.startswith("lm_head."):
+                    continue
+                if rule.kind == "copy":
+                    put(rule.dest, array, rule.transposed[0])
+                    continue
+                parts = pending.setdefault(id(rule), {})
+                parts[name] = array
+                if len(parts) == len(rule.sources):
+                    put(rule.dest, fuse(rule, [parts[s] for s in rule.sources]), rule.transposed[0])
+                    del pending[id(rule)]
+        if unexpected:
+            raise ModelLoadError(
+                f"checkpoint has {len(unexpected)} tensors PaddleFormers' {self.target.family} mapping has no place "
+                f"for, e.g. {', '.join(unexpected[:5])}"
+            )
+        missing = sorted(set(params) - loaded)
+        if not head_loaded:
+            missing.append("lm_head.weight")
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:5])}")
+        for layer in self.sublayers():
+            method = getattr(layer, "quant_method", None)
+            if isinstance(method, LinearMethodBase):
+                method.process_weights_after_loading(layer)
+
+    # ---- selection ---------------------------------------------------------------------------
+    @classmethod
+    def supports(cls, hf_config: dict) -> tuple[bool, str]:
+        """``(True, family)`` when the fallback can serve ``hf_config``, else ``(False, why)``.
+
+        Checks everything short of building the model: PaddleFormers knows the architecture,
+        its module imports here, its checkpoint mapping is loadable, no sliding-window attention.
+        """
+        try:
+            target, _, _ = check_servable(hf_config)
+        except NotServableError as exc:
+            return False, str(exc)
+        return True, f"PaddleFormers {target.base_model_cls.__name__} ({target.module})"
