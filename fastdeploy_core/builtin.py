@@ -10,7 +10,7 @@ from fastdeploy_core.hookspecs import hookimpl
 FD_PLUGIN_API_VERSION = PLUGIN_API_VERSION
 
 #: Modules that each expose ``register(app)`` adding working sub-commands to the CLI.
-CORE_COMMAND_MODULES: tuple[str, ...] = ("fastdeploy_core.cli.serve",)
+CORE_COMMAND_MODULES: tuple[str, ...] = ("fastdeploy_core.cli.serve", "fastdeploy_core.cli.generate", "fastdeploy_core.cli.bench")
 
 
 @hookimpl
@@ -18,6 +18,14 @@ def register_devices(register):
     from fastdeploy_core.devices.cpu import CpuDevice
 
     register(CpuDevice)
+
+
+@hookimpl
+def register_quantizers(register):
+    from fastdeploy_core.quantization import BUILTIN_METHODS
+
+    for name, target in BUILTIN_METHODS.items():
+        register(name, target)  # "module:Class", imported when the method is used
 
 
 @hookimpl

@@ -28,6 +28,15 @@ class CpuDevice(Device):
     dist_backend = "gloo"
     supports_graph_capture = False
     attention_backends = ("paged_reference",)
+    # Each runs through a C++ kernel reading the compact weights (reference path if it cannot build).
+    quantization_methods = ("wint8", "wint4", "w8a8", "w4a8", "block_wise_fp8", "mix_quant")
+
+    @classmethod
+    def make_ops(cls, attention_backend: str | None = None):
+        """The reference ops plus the quantized linear kernels (:mod:`fastdeploy_core.quantization.cpu_ops`)."""
+        from fastdeploy_core.quantization.cpu_ops import CpuOps
+
+        return CpuOps(attention_backend=cls.select_attention_backend(attention_backend))
 
     @classmethod
     def detect(cls) -> Availability:

@@ -1,0 +1,300 @@
+"""The quantizer contract: what a quantization method registered through ``register_quantizers`` provides.
+
+A quantizer is two things at once:
+
+* the ``quant_config`` object a model passes to its layers: ``get_quant_method(layer, prefix)``
+  returns the method for a linear layer it :meth:`~QuantizerBase.applies_to`, else ``None``
+  (the layer stays float32);
+* the linear method itself (:class:`~fastdeploy_core.layers.linear.LinearMethodBase`), which
+  keeps its per-layer state on the layer:
+
+  - :meth:`~QuantizerBase.create_weights` registers the compact storage on the layer
+    (``layer.weight`` and e.g. ``weight_scale``); ``layer.weight`` carries the
+    ``weight_loader`` the model's ``load_weights`` calls;
+  - the loader converts float checkpoint tensors online (:meth:`~QuantizerBase.quantize`,
+    column range by column range, so merged Q/K/V and gate/up shards load independently),
+    copies pre-quantized tensors (``is_quantized`` checkpoints: the scales are parameters the
+    checkpoint fills too), or unpacks GGUF blocks without a float round trip when the method
+    accepts that block type (:meth:`~QuantizerBase.load_gguf`);
+  - :meth:`~QuantizerBase.apply` runs the layer through the device's op ``ops.<device_op>``
+    when the device's ops table has it, else through :meth:`~QuantizerBase.reference_op`,
+    the plain-Paddle formula every device op must match.
+
+Each method declares its settings as a pydantic model (:attr:`QuantizerBase.config_class`);
+``--quantization '{"quantization": "wint4", "group_size": 64}'`` fills it, and a bad field is a
+:class:`~fastdeploy_core.errors.QuantizationError` naming the field.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Callable, ClassVar, Literal
+
+import numpy as np
+import paddle
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fastdeploy_core.devices.current import current_ops
+from fastdeploy_core.errors import ModelLoadError, QuantizationError
+from fastdeploy_core.layers.linear import LinearMethodBase
+from fastdeploy_core.layers.weights import new_parameter
+
+
+class QuantizerConfig(BaseModel):
+    """Settings every quantizer accepts; methods subclass this and add their own."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    is_quantized: bool = Field(False, description="the checkpoint already holds quantized tensors and scales")
+    modules_to_not_convert: list[str] = Field(
+        default_factory=list, description="layer-name patterns (fnmatch, or a plain substring) kept in float32"
+    )
+    kv_cache_quant_type: Literal["int8"] | None = Field(None, description="quantize the KV cache too")
+
+
+class QuantizerBase(LinearMethodBase):
+    """Base of every quantization method. Subclasses set the class attributes and the hooks."""
+
+    #: The registry name (``--quantization NAME``).
+    name: ClassVar[str] = ""
+    #: The pydantic settings model.
+    config_class: ClassVar[type[QuantizerConfig]] = QuantizerConfig
+    #: Name of the device op that runs this method (``ops.<device_op>(x, *op_args, bias)``).
+    device_op: ClassVar[str | None] = None
+    #: GGUF tensor types (``"Q8_0"``, ``"Q4_1"``...) :meth:`load_gguf` takes without dequantizing.
+    gguf_types: ClassVar[tuple[str, ...]] = ()
+    #: Whether the device must declare this method in ``Device.quantization_methods``. A
+    #: third-party method whose ``apply`` is plain Paddle ops every device runs may say False.
+    requires_device_support: ClassVar[bool] = True
+
+    def __init__(self, config: QuantizerConfig | dict | None = None):
+        if isinstance(config, QuantizerConfig):
+            self.config = config
+        else:
+            self.config = self.validate_config(config or {})
+
+    # ---- configuration --------------------------------------------------------------------
+    @classmethod
+    def validate_config(cls, data: dict) -> QuantizerConfig:
+        """``data`` as this method's settings; QuantizationError names each bad field."""
+        try:
+            return cls.config_class.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '(config)'}: {err['msg']} (given {err.get('input')!r})"
+                for err in exc.errors()
+            )
+            allowed = ", ".join(sorted(cls.config_class.model_fields))
+            raise QuantizationError(
+                f"quantization {cls.name!r}: {problems}; its settings are: {allowed}", param="quantization"
+            ) from None
+
+    @classmethod
+    def from_config(cls, data: dict, resolver: Callable[[str], "QuantizerBase"] | None = None) -> "QuantizerBase":
+        """Build from a config dict (without the ``quantization`` key).
+
+        ``resolver(name)`` builds another registered method by name, for composite methods
+        such as ``mix_quant``; simple methods ignore it.
+        """
+        return cls(cls.validate_config(data))
+
+    def describe(self) -> dict:
+        """Name and settings, for logs and ``fastdeploy env``."""
+        return {"quantization": self.name, **self.config.model_dump()}
+
+    def required_methods(self) -> list[str]:
+        """Every registered method a device must run for this one to work (itself by default)."""
+        return [self.name]
+
+    @property
+    def kv_cache_method(self):
+        """The KV cache quantizer (``kv_cache_quant_type``) or ``None`` for a float cache."""
+        if self.config.kv_cache_quant_type == "int8":
+            from fastdeploy_core.quantization.kv_cache import Int8KVCacheQuantizer
+
+            return Int8KVCacheQuantizer()
+        return None
+
+    # ---- which layers -----------------------------------------------------------------------
+    def applies_to(self, layer_name: str) -> bool:
+        """Whether the linear layer ``layer_name`` (its checkpoint prefix) is quantized."""
+        for pattern in self.config.modules_to_not_convert:
+            if fnmatch.fnmatchcase(layer_name, pattern) or pattern in layer_name:
+                return False
+        return True
+
+    def get_quant_method(self, layer, prefix: str) -> LinearMethodBase | None:
+        """The ``quant_config`` contract of :class:`~fastdeploy_core.layers.linear.Linear`."""
+        return self if self.applies_to(prefix) else None
+
+    # ---- storage ------------------------------------------------------------------------------
+    def storage_shapes(self, input_size: int, output_size: int) -> dict[str, tuple[list[int], str]]:
+        """Tensor name -> (shape, dtype) of the compact storage of one layer; ``weight`` first."""
+        raise NotImplementedError
+
+    def create_weights(self, layer) -> None:
+        """Register the compact storage on ``layer`` (and a float32 bias if it has one)."""
+        shapes = self.storage_shapes(layer.input_size, layer.output_size)
+        for tensor_name, (shape, dtype) in shapes.items():
+            if tensor_name == "weight" or self.config.is_quantized:
+                param = layer.create_parameter(
+                    shape, dtype=dtype, default_initializer=paddle.nn.initializer.Constant(0)
+                )
+                param.stop_gradient = True
+                param.weight_loader = self._make_loader(layer, tensor_name)
+                setattr(layer, tensor_name, param)
+            else:
+                # Derived from the weight while it loads: a buffer, so model loaders that
+                # expect every parameter in the checkpoint do not wait for it.
+                layer.register_buffer(tensor_name, paddle.zeros(shape, dtype=dtype), persistable=True)
+        if layer.has_bias:
+            layer.bias = new_parameter(layer, [layer.output_size])
+            layer.bias.weight_loader = layer.weight_loader
+        else:
+            layer.bias = None
+
+    def _make_loader(self, layer, tensor_name: str):
+        def weight_loader(param, loaded, shard_id=None) -> None:
+            self.load_tensor(layer, tensor_name, loaded, shard_id)
+
+        return weight_loader
+
+    @staticmethod
+    def column_range(layer, shard_id) -> tuple[int, int]:
+        """Output columns ``[start, stop)`` a checkpoint shard fills."""
+        if shard_id is None:
+            return 0, layer.output_size
+        return layer.shard_range(shard_id)
+
+    def load_tensor(self, layer, tensor_name: str, loaded, shard_id=None) -> None:
+        """Fill ``tensor_name``'s columns of ``shard_id`` from a checkpoint tensor.
+
+        ``loaded`` is a float array ``[out, in]`` (quantized online), a pre-quantized array in
+        checkpoint orientation (``weight [out, in]`` or, packed, ``[out, in / 2]``; scales
+        ``[out]`` or ``[out, G]``), or a :class:`~fastdeploy_core.quantization.gguf.GGUFBlocks`.
+        """
+        from fastdeploy_core.quantization.gguf import GGUFBlocks
+
+        start, stop = self.column_range(layer, shard_id)
+        where = f"{layer.prefix or 'linear'}" + (f" shard {shard_id!r}" if shard_id is not None else "")
+        if isinstance(loaded, GGUFBlocks):
+            if tensor_name != "weight":
+                raise ModelLoadError(f"{where}: GGUF blocks can only fill a weight, not {tensor_name}")
+            if loaded.shape != (stop - start, layer.input_size):
+                raise ModelLoadError(f"{where}: GGUF tensor of shape {loaded.shape}, expected {(stop - start, layer.input_size)}")
+            if self.accepts_gguf(loaded):
+                tensors = self.load_gguf(loaded)
+            else:
+                tensors = self.quantize(loaded.dequantize().T)
+            self.write_columns(layer, tensors, start, stop, where)
+            return
+        array = np.asarray(loaded)
+        if tensor_name == "weight" and array.dtype.kind == "f" and not self.config.is_quantized:
+            if array.shape != (stop - start, layer.input_size):
+                raise ModelLoadError(
+                    f"{where}: checkpoint weight of shape {array.shape}, expected {(stop - start, layer.input_size)}"
+                )
+            self.write_columns(layer, self.quantize(np.ascontiguousarray(array.T, dtype=np.float32)), start, stop, where)
+            return
+        # A pre-quantized tensor: checkpoint orientation [out, ...] -> storage [..., out].
+        array = array.reshape(array.shape[0], -1).T if array.ndim >= 1 else array
+        self.write_columns(layer, {tensor_name: array}, start, stop, where)
+
+    def write_columns(self, layer, tensors: dict[str, np.ndarray], start: int, stop: int, where: str) -> None:
+        """Copy storage tensors holding columns ``[start, stop)`` into the layer's storage."""
+        for tensor_name, array in tensors.items():
+            target = getattr(layer, tensor_name)
+            expected = (int(target.shape[0]), stop - start)
+            if tuple(array.shape) != expected:
+                raise ModelLoadError(
+                    f"{where}: {tensor_name} of shape {tuple(array.shape)} does not fit storage {expected} "
+                    f"(columns {start}:{stop} of {tuple(target.shape)}); check the quantization settings"
+                )
+            if start == 0 and stop == int(target.shape[1]):
+                target.set_value(self.to_storage_tensor(array, target.dtype))
+            elif target.dtype == paddle.float8_e4m3fn:
+                # Paddle's CPU build has no slice-assign kernel for float8: update the columns
+                # in float32 (exact for e4m3 values) and store the whole tensor again.
+                whole = target.astype("float32").numpy()
+                whole[:, start:stop] = array
+                target.set_value(self.to_storage_tensor(whole, target.dtype))
+            else:
+                target[:, start:stop] = self.to_storage_tensor(array, target.dtype)
+
+    @staticmethod
+    def to_storage_tensor(array: np.ndarray, dtype) -> paddle.Tensor:
+        """A numpy array as a Paddle tensor of the storage dtype."""
+        if dtype == paddle.float8_e4m3fn:
+            return paddle.to_tensor(np.asarray(array, dtype=np.float32)).astype(paddle.float8_e4m3fn)
+        return paddle.to_tensor(np.ascontiguousarray(array))
+
+    # ---- conversion ---------------------------------------------------------------------------
+    def quantize(self, weight: np.ndarray) -> dict[str, np.ndarray]:
+        """Float32 ``weight [in, n]`` -> storage tensors for those ``n`` columns (online conversion)."""
+        raise NotImplementedError
+
+    def accepts_gguf(self, blocks) -> bool:
+        """Whether :meth:`load_gguf` takes these blocks as stored (else they are dequantized and requantized)."""
+        return blocks.type_name in self.gguf_types
+
+    def load_gguf(self, blocks) -> dict[str, np.ndarray]:
+        """GGUF blocks of one tensor -> storage tensors, without dequantizing to float."""
+        raise QuantizationError(f"{self.name} does not take GGUF {blocks.type_name} blocks directly")
+
+    def dequantize(self, layer) -> paddle.Tensor:
+        """The float32 ``[in, out]`` weight the storage represents (tests, accuracy checks)."""
+        raise NotImplementedError
+
+    # ---- compute --------------------------------------------------------------------------------
+    def op_args(self, layer) -> tuple:
+        """The storage arguments of :attr:`device_op` and :meth:`reference_op`, after ``x``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def reference_op(x: paddle.Tensor, *args: Any) -> paddle.Tensor:
+        """The plain-Paddle formula of :attr:`device_op`: ``(x, *op_args, bias) -> y``."""
+        raise NotImplementedError
+
+    def apply(self, layer, x: paddle.Tensor) -> paddle.Tensor:
+        """``y = x @ W (+ b)`` through the device op when the ops table has it, else the reference."""
+        args = self.op_args(layer)
+        op = getattr(current_ops(), self.device_op, None) if self.device_op else None
+        if op is not None:
+            return op(x, *args, layer.bias)
+        return self.reference_op(x, *args, layer.bias)
+
+    def storage_bytes(self, layer) -> int:
+        """Bytes of the layer's weight storage (parameters and buffers)."""
+        total = 0
+        for tensor in list(layer.parameters(include_sublayers=False)) + list(layer.buffers(include_sublayers=False)):
+            total += int(np.prod(tensor.shape)) * tensor.element_size()
+        return total
+
+
+def add_bias(y: paddle.Tensor, bias: paddle.Tensor | None) -> paddle.Tensor:
+    return y if bias is None else y + bias
+
+
+def expand_groups(scale: paddle.Tensor, group_size: int, rows: int) -> paddle.Tensor:
+    """Per-group rows ``[G, N]`` -> per-row ``[rows, N]`` (the last group may be short)."""
+    if int(scale.shape[0]) == 1:
+        return scale
+    return paddle.repeat_interleave(scale, group_size, axis=0)[:rows]
+
+
+def num_groups(rows: int, group_size: int) -> int:
+    return -(-rows // group_size)
+
+
+def grouped_abs_max(weight: np.ndarray, group_size: int) -> np.ndarray:
+    """``max |w|`` over each group of rows of ``weight [K, n]`` -> ``[G, n]``."""
+    rows = weight.shape[0]
+    groups = num_groups(rows, group_size)
+    pad = groups * group_size - rows
+    padded = np.pad(np.abs(weight), ((0, pad), (0, 0))) if pad else np.abs(weight)
+    return padded.reshape(groups, group_size, -1).max(axis=1)
+
+
+def repeat_rows(per_group: np.ndarray, group_size: int, rows: int) -> np.ndarray:
+    """numpy twin of :func:`expand_groups`."""
+    return np.repeat(per_group, group_size, axis=0)[:rows]

@@ -1,0 +1,55 @@
+"""The cpu device's quantized linear ops: the C++ kernels, or the reference formulas without them.
+
+:class:`CpuOps` is the cpu device's ops table: :class:`ReferenceOps` plus one op per
+quantization method. Each op takes the storage arguments of its quantizer's ``op_args`` and
+computes exactly its ``reference_op``; when the kernels cannot be built (see
+:mod:`fastdeploy_core.quantization.kernels`) the op runs that reference formula itself.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+from fastdeploy_core.devices.reference_ops import ReferenceOps
+from fastdeploy_core.quantization.base import add_bias
+from fastdeploy_core.quantization.fp8 import fp8_linear_reference
+from fastdeploy_core.quantization.kernels import load_kernels
+from fastdeploy_core.quantization.weight_only import int4_linear_reference, int8_linear_reference
+
+
+class CpuQuantOps:
+    """Quantized linear ops backed by ``csrc/weight_only_gemm.cc`` (mixed into an ops table)."""
+
+    def wint8_linear(self, x, weight, scale, group_size: int, bias=None) -> paddle.Tensor:
+        kernels = load_kernels()
+        if kernels is None:
+            return int8_linear_reference(x, weight, scale, group_size, bias)
+        return add_bias(kernels.fd_int8_linear(x, weight, scale, int(group_size), False), bias)
+
+    def w8a8_linear(self, x, weight, scale, group_size: int, bias=None) -> paddle.Tensor:
+        kernels = load_kernels()
+        if kernels is None:
+            return int8_linear_reference(x, weight, scale, group_size, bias, act_int8=True)
+        return add_bias(kernels.fd_int8_linear(x, weight, scale, int(group_size), True), bias)
+
+    def wint4_linear(self, x, weight, scale, offset, group_size: int, bias=None) -> paddle.Tensor:
+        kernels = load_kernels()
+        if kernels is None:
+            return int4_linear_reference(x, weight, scale, offset, group_size, bias)
+        return add_bias(kernels.fd_int4_linear(x, weight, scale, offset, int(group_size), False), bias)
+
+    def w4a8_linear(self, x, weight, scale, offset, group_size: int, bias=None) -> paddle.Tensor:
+        kernels = load_kernels()
+        if kernels is None:
+            return int4_linear_reference(x, weight, scale, offset, group_size, bias, act_int8=True)
+        return add_bias(kernels.fd_int4_linear(x, weight, scale, offset, int(group_size), True), bias)
+
+    def block_wise_fp8_linear(self, x, weight, scale, block_rows: int, bias=None) -> paddle.Tensor:
+        kernels = load_kernels()
+        if kernels is None:
+            return fp8_linear_reference(x, weight, scale, block_rows, bias)
+        return add_bias(kernels.fd_fp8_linear(x, weight, scale, int(block_rows)), bias)
+
+
+class CpuOps(CpuQuantOps, ReferenceOps):
+    """The cpu device's ops table: plain-Paddle reference ops plus the quantized linear kernels."""

@@ -1,0 +1,139 @@
+"""The cpu quantization kernels: C++ custom ops built once per machine, loaded on first use.
+
+``csrc/weight_only_gemm.cc`` is compiled with ``paddle.utils.cpp_extension`` (gcc,
+``-O3 -march=native -fopenmp``) into a cache directory (``$FD_KERNEL_CACHE``, default
+``~/.cache/fastdeploy/kernels``) under a name that hashes the source, the flags, the Paddle
+version and the CPU's feature flags, so a changed source or another machine builds afresh and
+an unchanged one loads the cached library in well under a second. A file lock keeps
+concurrent processes from building the same library twice.
+
+When the build fails (no compiler, no Python headers) or ``FD_DISABLE_QUANT_KERNELS=1`` is
+set, :func:`load_kernels` returns ``None`` and logs why once; the quantizers then run their
+plain-Paddle reference path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).parent / "csrc" / "weight_only_gemm.cc",)
+CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+LD_FLAGS = ["-fopenmp"]
+DISABLE_ENV = "FD_DISABLE_QUANT_KERNELS"
+CACHE_ENV = "FD_KERNEL_CACHE"
+
+_lock = threading.Lock()
+_module = None
+_failure: str | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    """Where built kernel libraries are kept."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fastdeploy", "kernels")
+    return Path(root)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_name() -> str:
+    """``fd_quant_kernels_<hash>``: the hash covers what changes the binary."""
+    import paddle
+
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(CXX_FLAGS + LD_FLAGS).encode())
+    digest.update(paddle.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    return f"fd_quant_kernels_{digest.hexdigest()[:12]}"
+
+
+def _import_built(name: str, build_dir: Path):
+    from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
+
+    return _import_module_from_library(name, str(build_dir / name), False)
+
+
+def _build(name: str, build_dir: Path):
+    from paddle.utils.cpp_extension import load
+
+    # The build prints progress and warnings to stdout/stderr; keep them out of the server log
+    # and report a failure through the exception instead.
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink):
+        return load(
+            name=name,
+            sources=[str(s) for s in SOURCES],
+            extra_cxx_cflags=CXX_FLAGS,
+            extra_ldflags=LD_FLAGS,
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+
+
+def load_kernels():
+    """The kernel module (``fd_int8_linear``, ``fd_int4_linear``, ``fd_fp8_linear``) or ``None``."""
+    global _module, _failure, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        try:
+            if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+                raise RuntimeError(f"{DISABLE_ENV} is set")
+            name = library_name()
+            build_dir = cache_dir()
+            build_dir.mkdir(parents=True, exist_ok=True)
+            with open(build_dir / f"{name}.lock", "w") as lock_file:
+                fcntl.flock(lock_file, fcntl.LOCK_EX)
+                try:
+                    if (build_dir / name / f"{name}.so").exists():
+                        _module = _import_built(name, build_dir)
+                    else:
+                        logger.info("building the cpu quantization kernels into %s (once per machine)", build_dir)
+                        _module = _build(name, build_dir)
+                finally:
+                    fcntl.flock(lock_file, fcntl.LOCK_UN)
+        except Exception as exc:  # any build or load problem means: use the reference path
+            _failure = f"{type(exc).__name__}: {exc}"
+            _module = None
+            logger.warning(
+                "cpu quantization kernels unavailable (%s); quantized layers use the slower plain-Paddle "
+                "reference path",
+                _failure.splitlines()[0][:500],
+            )
+        _tried = True
+        return _module
+
+
+def kernel_failure() -> str | None:
+    """Why :func:`load_kernels` returned ``None`` (after it was called), else ``None``."""
+    return _failure
+
+
+def reset_for_tests() -> None:
+    """Forget the loaded module so the next :func:`load_kernels` call tries again."""
+    global _module, _failure, _tried
+    with _lock:
+        _module, _failure, _tried = None, None, False

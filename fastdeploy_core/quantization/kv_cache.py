@@ -1,0 +1,137 @@
+"""KV cache int8 (``kv_cache_quant_type: "int8"``): quantize on write, dequantize on read.
+
+Each layer's K and V caches become :class:`QuantizedKVCache`: int8 codes
+``[num_blocks, block_size, kv_heads, head_dim]`` plus one float32 scale per cached token and
+head (``[num_blocks, block_size, kv_heads, 1]``, ``|x|max / 127`` of that head's vector), so a
+token costs ``head_dim + 4`` bytes per head instead of ``4 * head_dim``. Scales are computed
+when a token is written (no calibration data needed) and never change afterwards, so prefix
+caching and preemption keep working on the quantized blocks.
+
+:class:`Int8KVCacheOps` wraps any device's ops table: ``write_kv_cache`` quantizes the step's
+K/V into the slots; ``paged_attention`` dequantizes only the blocks the step's sequences use
+(gathered once per step and layer) into a compact float cache, renumbers the block tables to
+it, and runs the wrapped table's own attention on that, so every attention backend gets the
+int8 cache for free.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import paddle
+
+
+def quantize_kv(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """``x [..., d]`` -> int8 codes ``[..., d]`` and float32 scales ``[..., 1]`` (per vector)."""
+    amax = paddle.max(paddle.abs(x), axis=-1, keepdim=True)
+    scale = paddle.where(amax > 0, amax / 127.0, paddle.ones_like(amax))
+    codes = paddle.clip(paddle.round(x / scale), -127.0, 127.0).astype("int8")
+    return codes, scale
+
+
+def dequantize_kv(codes: paddle.Tensor, scale: paddle.Tensor) -> paddle.Tensor:
+    return codes.astype("float32") * scale
+
+
+class QuantizedKVCache:
+    """One layer's K (or V) paged cache in int8 with per-token, per-head scales."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+        self.data = paddle.zeros([num_blocks, block_size, num_kv_heads, head_dim], dtype="int8")
+        self.scale = paddle.ones([num_blocks, block_size, num_kv_heads, 1], dtype="float32")
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.data.shape)) + 4 * int(np.prod(self.scale.shape))
+
+    def index_put_(self, indices: tuple, values: paddle.Tensor) -> "QuantizedKVCache":
+        """Quantize ``values [T, kvh, d]`` and store them at ``indices = (block_ids, offsets)``.
+
+        Same call as ``paddle.Tensor.index_put_``, so a write path written for float caches works unchanged.
+        """
+        codes, scale = quantize_kv(values)
+        self.data.index_put_(indices, codes)
+        self.scale.index_put_(indices, scale)
+        return self
+
+    def gather_blocks(self, block_ids: paddle.Tensor) -> paddle.Tensor:
+        """Float32 ``[n, block_size, kvh, d]`` of the blocks ``block_ids``."""
+        codes = paddle.index_select(self.data, block_ids, axis=0)
+        scale = paddle.index_select(self.scale, block_ids, axis=0)
+        return dequantize_kv(codes, scale)
+
+    def dequantize(self) -> paddle.Tensor:
+        """The whole cache in float32 (tests)."""
+        return dequantize_kv(self.data, self.scale)
+
+
+class Int8KVCacheQuantizer:
+    """``kv_cache_quant_type: int8``: allocates :class:`QuantizedKVCache` pairs and wraps the ops table."""
+
+    name = "int8"
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of one token of K or V in one layer."""
+        return num_kv_heads * (head_dim + 4)
+
+    def allocate(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[QuantizedKVCache, QuantizedKVCache]:
+        return (
+            QuantizedKVCache(num_blocks, block_size, num_kv_heads, head_dim),
+            QuantizedKVCache(num_blocks, block_size, num_kv_heads, head_dim),
+        )
+
+    def wrap_ops(self, ops) -> "Int8KVCacheOps":
+        return Int8KVCacheOps(ops)
+
+
+class Int8KVCacheOps:
+    """An ops table whose KV caches are :class:`QuantizedKVCache`; every other op is the wrapped table's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def write_kv_cache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        block_size = k_cache.shape[1]
+        block_ids = paddle.floor_divide(slot_mapping, paddle.to_tensor(block_size, dtype=slot_mapping.dtype))
+        offsets = slot_mapping - block_ids * block_size
+        k_cache.index_put_((block_ids, offsets), k)
+        v_cache.index_put_((block_ids, offsets), v)
+
+    def paged_attention(self, q, k_cache, v_cache, meta, scale: float):
+        if not isinstance(k_cache, QuantizedKVCache):
+            return self.inner.paged_attention(q, k_cache, v_cache, meta, scale)
+        compact = meta.attn_state.get("int8_kv")
+        if compact is None:
+            compact = self._compact_meta(meta, k_cache.shape[1])
+            meta.attn_state["int8_kv"] = compact
+        used, compact_meta = compact
+        k_float = k_cache.gather_blocks(used)
+        v_float = v_cache.gather_blocks(used)
+        return self.inner.paged_attention(q, k_float, v_float, compact_meta, scale)
+
+    @staticmethod
+    def _compact_meta(meta, block_size: int):
+        """The blocks the step reads (numbered 0..n-1) and a copy of ``meta`` whose block tables use those numbers."""
+        seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
+        tables = np.asarray(meta.block_tables, dtype=np.int64)
+        needed = -(-seq_lens // block_size)
+        width = int(needed.max()) if needed.size else 0
+        tables = tables[:, :width]
+        valid = np.arange(width)[None, :] < needed[:, None]
+        used, inverse = np.unique(np.where(valid, tables, tables[valid][0] if valid.any() else 0), return_inverse=True)
+        remapped = inverse.reshape(tables.shape).astype(np.int64)
+        compact_meta = copy.copy(meta)
+        compact_meta.block_tables = remapped
+        compact_meta.attn_state = {}
+        return paddle.to_tensor(used.astype(np.int64)), compact_meta

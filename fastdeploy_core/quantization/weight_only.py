@@ -1,0 +1,219 @@
+"""Weight-only quantization: ``wint8`` (per-channel int8) and ``wint4`` (group-wise int4).
+
+Activations stay float32; weights are stored compact in Paddle's ``[in, out]`` orientation
+and widened inside the matmul (the cpu device's C++ kernel reads them directly).
+
+* ``wint8``: ``weight int8 [K, N]``, ``weight_scale [G, N]`` with ``w = q * scale``,
+  ``q`` in [-127, 127], ``scale = max|w| / 127`` per output channel (``G = 1``) or per group of
+  ``group_size`` input rows. A GGUF Q8_0 tensor loads as groups of 32 exactly as stored.
+* ``wint4``: two 4-bit codes per byte, ``weight uint8 [K / 2, N]`` (row ``2p`` in the low,
+  row ``2p + 1`` in the high nibble), ``weight_scale`` and ``weight_offset [G, N]`` with
+  ``w = q * scale + offset``, ``q`` in [0, 15]. With ``has_zero_point`` (default) each group
+  maps its own ``[min, max]`` onto the 16 levels; without it the grid is symmetric
+  (``offset = -8 * scale``, ``scale = max|w| / 7``). GGUF Q4_0 / Q4_1 load as groups of 32
+  exactly as stored. Groups run along the input axis; when ``K`` is not a multiple of
+  ``group_size`` the last group is shorter.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import paddle
+from pydantic import Field
+
+from fastdeploy_core.quantization.base import (
+    QuantizerBase,
+    QuantizerConfig,
+    add_bias,
+    expand_groups,
+    grouped_abs_max,
+    num_groups,
+    repeat_rows,
+)
+
+
+# ---- the formulas every device op must match ----------------------------------------------------
+def int8_weight(weight: paddle.Tensor, scale: paddle.Tensor, group_size: int) -> paddle.Tensor:
+    """Float32 ``[K, N]`` from int8 codes and group scales."""
+    rows = int(weight.shape[0])
+    return weight.astype("float32") * expand_groups(scale, group_size, rows)
+
+
+def int4_codes(packed: paddle.Tensor) -> paddle.Tensor:
+    """``uint8 [K / 2, N]`` -> float32 codes ``[K, N]`` in [0, 15] (rows interleaved back)."""
+    wide = packed.astype("int32")
+    low = paddle.bitwise_and(wide, paddle.full([], 15, dtype="int32"))
+    high = paddle.bitwise_right_shift(wide, paddle.full([], 4, dtype="int32"))
+    rows, cols = int(packed.shape[0]), int(packed.shape[1])
+    return paddle.stack([low, high], axis=1).reshape([2 * rows, cols]).astype("float32")
+
+
+def int4_weight(packed: paddle.Tensor, scale: paddle.Tensor, offset: paddle.Tensor, group_size: int) -> paddle.Tensor:
+    """Float32 ``[K, N]`` from packed int4 codes, group scales and offsets."""
+    codes = int4_codes(packed)
+    rows = int(codes.shape[0])
+    return codes * expand_groups(scale, group_size, rows) + expand_groups(offset, group_size, rows)
+
+
+def quantize_rows_int8(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Dynamic per-row int8 of activations: integer-valued float32 codes and ``[..., 1]`` scales."""
+    amax = paddle.max(paddle.abs(x), axis=-1, keepdim=True)
+    scale = paddle.where(amax > 0, amax / 127.0, paddle.ones_like(amax))
+    codes = paddle.clip(paddle.round(x / scale), -127.0, 127.0)
+    return codes, scale
+
+
+def int8_linear_reference(x, weight, scale, group_size: int, bias=None, act_int8: bool = False) -> paddle.Tensor:
+    """``x @ (q * scale) (+ bias)``; with ``act_int8`` x is first rounded to int8 per row."""
+    if act_int8:
+        codes, row_scale = quantize_rows_int8(x)
+        return add_bias(paddle.matmul(codes, int8_weight(weight, scale, group_size)) * row_scale, bias)
+    return add_bias(paddle.matmul(x, int8_weight(weight, scale, group_size)), bias)
+
+
+def int4_linear_reference(x, weight, scale, offset, group_size: int, bias=None, act_int8: bool = False) -> paddle.Tensor:
+    """``x @ (q * scale + offset) (+ bias)``; with ``act_int8`` x is first rounded to int8 per row."""
+    if act_int8:
+        codes, row_scale = quantize_rows_int8(x)
+        return add_bias(paddle.matmul(codes, int4_weight(weight, scale, offset, group_size)) * row_scale, bias)
+    return add_bias(paddle.matmul(x, int4_weight(weight, scale, offset, group_size)), bias)
+
+
+# ---- numpy conversion (online quantization, GGUF blocks) ---------------------------------------
+def quantize_int8(weight: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
+    """Float ``[K, n]`` -> ``{"weight": int8 [K, n], "weight_scale": [G, n]}`` (symmetric, round to nearest)."""
+    rows = weight.shape[0]
+    scale = grouped_abs_max(weight, group_size) / 127.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    codes = np.clip(np.rint(weight / repeat_rows(scale, group_size, rows)), -127, 127).astype(np.int8)
+    return {"weight": codes, "weight_scale": scale}
+
+
+def pack_int4(codes: np.ndarray) -> np.ndarray:
+    """Codes ``[K, n]`` in [0, 15] -> ``uint8 [K / 2, n]`` (even rows low nibble, odd rows high)."""
+    codes = codes.astype(np.uint8)
+    return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
+
+
+def quantize_int4(weight: np.ndarray, group_size: int, has_zero_point: bool) -> dict[str, np.ndarray]:
+    """Float ``[K, n]`` -> packed codes, ``weight_scale`` and ``weight_offset [G, n]``."""
+    rows = weight.shape[0]
+    groups = num_groups(rows, group_size)
+    pad = groups * group_size - rows
+    if has_zero_point:
+        padded = np.pad(weight, ((0, pad), (0, 0)), mode="edge") if pad else weight
+        blocks = padded.reshape(groups, group_size, -1)
+        low, high = blocks.min(axis=1), blocks.max(axis=1)
+        scale = (high - low) / 15.0
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        offset = low.astype(np.float32)
+    else:
+        scale = grouped_abs_max(weight, group_size) / 7.0
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        offset = (-8.0 * scale).astype(np.float32)
+    codes = np.rint((weight - repeat_rows(offset, group_size, rows)) / repeat_rows(scale, group_size, rows))
+    codes = np.clip(codes, 0, 15)
+    return {"weight": pack_int4(codes), "weight_scale": scale, "weight_offset": offset}
+
+
+# ---- the methods -----------------------------------------------------------------------------
+class WeightOnlyInt8Config(QuantizerConfig):
+    group_size: int | None = Field(None, ge=1, description="rows per scale; None = one scale per output channel")
+
+
+class WeightOnlyInt8(QuantizerBase):
+    """``wint8``: int8 weights with per-channel (or per-group) scales, float32 activations."""
+
+    name = "wint8"
+    config_class = WeightOnlyInt8Config
+    device_op = "wint8_linear"
+    gguf_types: ClassVar[tuple[str, ...]] = ("Q8_0",)
+    act_int8: ClassVar[bool] = False
+
+    def group_size_for(self, rows: int) -> int:
+        return self.config.group_size or rows
+
+    def storage_shapes(self, input_size: int, output_size: int):
+        groups = num_groups(input_size, self.group_size_for(input_size))
+        return {"weight": ([input_size, output_size], "int8"), "weight_scale": ([groups, output_size], "float32")}
+
+    def quantize(self, weight: np.ndarray) -> dict[str, np.ndarray]:
+        return quantize_int8(weight, self.group_size_for(weight.shape[0]))
+
+    def accepts_gguf(self, blocks) -> bool:
+        # Q8_0 blocks are groups of 32 input rows: they fit storage made for group_size 32.
+        return blocks.type_name in self.gguf_types and self.group_size_for(blocks.shape[1]) == 32
+
+    def load_gguf(self, blocks) -> dict[str, np.ndarray]:
+        from fastdeploy_core.quantization.gguf import q8_0_to_int8
+
+        return q8_0_to_int8(blocks)
+
+    def dequantize(self, layer) -> paddle.Tensor:
+        return int8_weight(layer.weight, layer.weight_scale, self.group_size_for(layer.input_size))
+
+    def op_args(self, layer) -> tuple:
+        return layer.weight, layer.weight_scale, self.group_size_for(layer.input_size)
+
+    @staticmethod
+    def reference_op(x, weight, scale, group_size, bias=None):
+        return int8_linear_reference(x, weight, scale, group_size, bias)
+
+
+class WeightOnlyInt4Config(QuantizerConfig):
+    group_size: int = Field(128, ge=2, description="input rows per scale (even); the last group may be shorter")
+    has_zero_point: bool = Field(True, description="asymmetric groups (min..max) instead of a symmetric grid")
+
+
+class WeightOnlyInt4(QuantizerBase):
+    """``wint4``: 4-bit weights in groups along the input axis, float32 activations."""
+
+    name = "wint4"
+    config_class = WeightOnlyInt4Config
+    device_op = "wint4_linear"
+    gguf_types: ClassVar[tuple[str, ...]] = ("Q4_0", "Q4_1")
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        if self.config.group_size % 2:
+            from fastdeploy_core.errors import QuantizationError
+
+            raise QuantizationError(
+                f"{self.name}: group_size must be even (two 4-bit rows share a byte), got {self.config.group_size}",
+                param="quantization",
+            )
+
+    def storage_shapes(self, input_size: int, output_size: int):
+        if input_size % 2:
+            from fastdeploy_core.errors import QuantizationError
+
+            raise QuantizationError(f"{self.name} needs an even input size, the layer has {input_size}")
+        groups = num_groups(input_size, self.config.group_size)
+        return {
+            "weight": ([input_size // 2, output_size], "uint8"),
+            "weight_scale": ([groups, output_size], "float32"),
+            "weight_offset": ([groups, output_size], "float32"),
+        }
+
+    def quantize(self, weight: np.ndarray) -> dict[str, np.ndarray]:
+        return quantize_int4(weight, self.config.group_size, self.config.has_zero_point)
+
+    def accepts_gguf(self, blocks) -> bool:
+        return blocks.type_name in self.gguf_types and self.config.group_size == 32
+
+    def load_gguf(self, blocks) -> dict[str, np.ndarray]:
+        from fastdeploy_core.quantization.gguf import q4_to_int4
+
+        return q4_to_int4(blocks)
+
+    def dequantize(self, layer) -> paddle.Tensor:
+        return int4_weight(layer.weight, layer.weight_scale, layer.weight_offset, self.config.group_size)
+
+    def op_args(self, layer) -> tuple:
+        return layer.weight, layer.weight_scale, layer.weight_offset, self.config.group_size
+
+    @staticmethod
+    def reference_op(x, weight, scale, offset, group_size, bias=None):
+        return int4_linear_reference(x, weight, scale, offset, group_size, bias)
