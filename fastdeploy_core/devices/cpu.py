@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from fastdeploy_core.devices.base import Availability, Device, MemoryInfo
+from fastdeploy_core.quantization.cpu_ops import CpuOps
 
 
 def _meminfo_bytes(field: str) -> int | None:
@@ -30,13 +31,7 @@ class CpuDevice(Device):
     attention_backends = ("paged_reference",)
     # Each runs through a C++ kernel reading the compact weights (reference path if it cannot build).
     quantization_methods = ("wint8", "wint4", "w8a8", "w4a8", "block_wise_fp8", "mix_quant")
-
-    @classmethod
-    def make_ops(cls, attention_backend: str | None = None):
-        """The reference ops plus the quantized linear kernels (:mod:`fastdeploy_core.quantization.cpu_ops`)."""
-        from fastdeploy_core.quantization.cpu_ops import CpuOps
-
-        return CpuOps(attention_backend=cls.select_attention_backend(attention_backend))
+    ops_class = CpuOps  # the reference ops plus the quantized linear kernels
 
     @classmethod
     def detect(cls) -> Availability:

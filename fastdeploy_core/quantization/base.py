@@ -66,6 +66,9 @@ class QuantizerBase(LinearMethodBase):
     #: Whether the device must declare this method in ``Device.quantization_methods``. A
     #: third-party method whose ``apply`` is plain Paddle ops every device runs may say False.
     requires_device_support: ClassVar[bool] = True
+    #: Largest ``max|y - y_float| / max|y_float|`` expected of a layer with Gaussian weights and
+    #: inputs (the conformance check and the tests hold each method to it).
+    expected_error: ClassVar[float] = 0.25
 
     def __init__(self, config: QuantizerConfig | dict | None = None):
         if isinstance(config, QuantizerConfig):

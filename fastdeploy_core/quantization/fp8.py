@@ -58,6 +58,7 @@ class BlockWiseFP8(QuantizerBase):
     """``block_wise_fp8``: e4m3 weights, 128 x 128 block scales, float32 activations."""
 
     name = "block_wise_fp8"
+    expected_error = 0.05
     config_class = BlockWiseFP8Config
     device_op = "block_wise_fp8_linear"
 

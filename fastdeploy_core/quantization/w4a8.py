@@ -20,6 +20,7 @@ class W4A8(WeightOnlyInt4):
     """``w4a8``: ``wint4`` storage, activations rounded to int8 per token."""
 
     name = "w4a8"
+    expected_error = 0.2
     config_class = W4A8Config
     device_op = "w4a8_linear"
 

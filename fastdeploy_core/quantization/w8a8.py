@@ -17,6 +17,7 @@ class W8A8(WeightOnlyInt8):
     """``w8a8``: ``wint8`` storage, activations rounded to int8 per token."""
 
     name = "w8a8"
+    expected_error = 0.03
     device_op = "w8a8_linear"
 
     @staticmethod

@@ -127,6 +127,7 @@ class WeightOnlyInt8(QuantizerBase):
     """``wint8``: int8 weights with per-channel (or per-group) scales, float32 activations."""
 
     name = "wint8"
+    expected_error = 0.02
     config_class = WeightOnlyInt8Config
     device_op = "wint8_linear"
     gguf_types: ClassVar[tuple[str, ...]] = ("Q8_0",)
@@ -171,6 +172,7 @@ class WeightOnlyInt4(QuantizerBase):
     """``wint4``: 4-bit weights in groups along the input axis, float32 activations."""
 
     name = "wint4"
+    expected_error = 0.15
     config_class = WeightOnlyInt4Config
     device_op = "wint4_linear"
     gguf_types: ClassVar[tuple[str, ...]] = ("Q4_0", "Q4_1")

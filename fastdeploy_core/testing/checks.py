@@ -458,7 +458,7 @@ def check_generation(target: Target, max_new_tokens: int = 8) -> None:
 
 # ---- quantization -------------------------------------------------------------------------------
 def check_quantization_method(target: Target, method: str) -> None:
-    """A declared quantization method is registered (its load-and-run check follows the quantizer contract)."""
+    """A declared quantization method is registered, loads float weights and runs on the device's ops (see quantization.conformance)."""
     from fastdeploy_core.plugins import get_plugin_manager
 
     registry = get_plugin_manager().quantizers
@@ -468,10 +468,10 @@ def check_quantization_method(target: Target, method: str) -> None:
         )
     if method not in registry:
         raise CheckSkipped(
-            f"{method!r} is declared by {target.device.name} but no installed plugin registers it "
+            f"quantization method {method!r} is declared by {target.device.name} but no installed plugin registers it "
             f"(registered: {', '.join(sorted(registry.keys()))})"
         )
-    raise CheckSkipped(
-        f"{method!r} is registered, but the kit has no runner for quantizers yet: the QuantMethod contract "
-        "lands with the quantization work, and its load-and-run check with it"
-    )
+    from fastdeploy_core.quantization.conformance import check_method
+
+    with target.placed():
+        check_method(target.make_ops(), method)
