@@ -37,6 +37,14 @@ class LLM:
         self.engine_args = EngineArgs.create(model=model, **engine_args)
         self.engine = LLMEngine(self.engine_args)
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        """Build from an already validated :class:`EngineArgs` (the CLI's path)."""
+        llm = cls.__new__(cls)
+        llm.engine_args = args
+        llm.engine = LLMEngine(args)
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -1,0 +1,176 @@
+"""``fastdeploy bench latency`` and ``fastdeploy bench throughput``: offline engine benchmarks.
+
+Flags follow FastDeploy's / vLLM's offline benchmarks (``--input-len``, ``--output-len``,
+``--batch-size``, ``--num-iters-warmup``, ``--num-iters``, ``--num-prompts``,
+``--dataset-name random``, ``--output-json``); engine flags of ``fastdeploy serve`` pass
+through. Prompts are random token ids (:func:`random_prompts`, seeded, so other stacks can
+be measured on the very same prompts) and generation ignores eos, so every run produces
+exactly ``output_len`` tokens per request.
+
+``latency`` splits each iteration into prefill (until every request has its first token) and
+decode (the rest) and reports prefill tok/s and decode tok/s at the given batch size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Optional
+
+import typer
+
+from fastdeploy_core.cli.generate import ENGINE_FLAGS_HELP, _PASS_THROUGH, engine_args_from_extra
+from fastdeploy_core.errors import FastDeployError
+
+bench_app = typer.Typer(help="Offline engine benchmarks (latency, throughput).", no_args_is_help=True)
+
+#: Token ids below this are left out of random prompts (control tokens of most vocabularies).
+_FIRST_PLAIN_TOKEN = 100
+
+
+def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """``num`` prompts of ``input_len`` random ordinary token ids (same seed, same prompts)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    high = max(_FIRST_PLAIN_TOKEN + 1, vocab_size - _FIRST_PLAIN_TOKEN)
+    return rng.integers(_FIRST_PLAIN_TOKEN, high, size=(num, input_len)).tolist()
+
+
+def measure_iteration(engine, prompts: list[list[int]], output_len: int) -> dict:
+    """Run ``prompts`` to ``output_len`` tokens each; prefill and decode times in seconds."""
+    from fastdeploy_core.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    waiting_first = set()
+    start = time.perf_counter()
+    for prompt in prompts:
+        waiting_first.add(engine.add_request(prompt, params))
+    first_done = None
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                waiting_first.discard(out.request_id)
+        steps += 1
+        if first_done is None and not waiting_first:
+            first_done = time.perf_counter()
+    end = time.perf_counter()
+    first_done = first_done or end
+    batch = len(prompts)
+    prefill = first_done - start
+    decode = end - first_done
+    return {
+        "latency_s": end - start,
+        "prefill_s": prefill,
+        "decode_s": decode,
+        "prefill_tok_s": batch * len(prompts[0]) / prefill if prefill > 0 else 0.0,
+        "decode_tok_s": batch * (output_len - 1) / decode if decode > 0 and output_len > 1 else 0.0,
+        "steps": steps,
+    }
+
+
+def _engine(ctx: typer.Context):
+    from fastdeploy_core.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_args_from_extra(ctx.args))
+
+
+def _write_json(path: Optional[str], data: dict) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+
+
+@bench_app.command("latency", context_settings=_PASS_THROUGH, help="Latency of one batch: prefill and decode speed. " + ENGINE_FLAGS_HELP)
+def latency_command(
+    ctx: typer.Context,
+    input_len: int = typer.Option(32, "--input-len", help="Prompt tokens per request."),
+    output_len: int = typer.Option(128, "--output-len", help="Generated tokens per request."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Requests run together."),
+    num_iters_warmup: int = typer.Option(1, "--num-iters-warmup", help="Untimed iterations first."),
+    num_iters: int = typer.Option(3, "--num-iters", help="Timed iterations."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
+    output_json: Optional[str] = typer.Option(None, "--output-json", help="Also write the results here."),
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    try:
+        engine = _engine(ctx)
+    except FastDeployError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+    vocab = engine.core.vocab_size
+    runs = []
+    for i in range(num_iters_warmup + num_iters):
+        prompts = random_prompts(batch_size, input_len, vocab, seed=seed + i)
+        result = measure_iteration(engine, prompts, output_len)
+        if i >= num_iters_warmup:
+            runs.append(result)
+            typer.echo(
+                f"iter {i - num_iters_warmup}: {result['latency_s']:.3f} s  prefill {result['prefill_tok_s']:.1f} tok/s  "
+                f"decode {result['decode_tok_s']:.1f} tok/s"
+            )
+    summary = {
+        "batch_size": batch_size,
+        "input_len": input_len,
+        "output_len": output_len,
+        "avg_latency": statistics.mean(r["latency_s"] for r in runs),
+        "latencies": [r["latency_s"] for r in runs],
+        "avg_prefill_s": statistics.mean(r["prefill_s"] for r in runs),
+        "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+        "engine": engine.core.config_info(),
+    }
+    typer.echo(
+        f"Avg latency: {summary['avg_latency']:.3f} s (batch {batch_size}, {input_len} in, {output_len} out); "
+        f"prefill {summary['prefill_tok_s']:.1f} tok/s; decode {summary['decode_tok_s']:.1f} tok/s"
+    )
+    _write_json(output_json, summary)
+
+
+@bench_app.command("throughput", context_settings=_PASS_THROUGH, help="Offline throughput of many requests. " + ENGINE_FLAGS_HELP)
+def throughput_command(
+    ctx: typer.Context,
+    input_len: int = typer.Option(32, "--input-len", help="Prompt tokens per request."),
+    output_len: int = typer.Option(128, "--output-len", help="Generated tokens per request."),
+    num_prompts: int = typer.Option(64, "--num-prompts", help="Requests submitted at once."),
+    dataset_name: str = typer.Option("random", "--dataset-name", help="Only `random` (random token ids)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
+    output_json: Optional[str] = typer.Option(None, "--output-json", help="Also write the results here."),
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    if dataset_name != "random":
+        typer.echo(f"error: --dataset-name {dataset_name!r} is not supported; use random", err=True)
+        raise typer.Exit(2)
+    try:
+        engine = _engine(ctx)
+    except FastDeployError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+    measure_iteration(engine, random_prompts(1, input_len, engine.core.vocab_size, seed=seed + 10_000), 4)  # warm-up
+    prompts = random_prompts(num_prompts, input_len, engine.core.vocab_size, seed=seed)
+    result = measure_iteration(engine, prompts, output_len)
+    elapsed = result["latency_s"]
+    summary = {
+        "num_prompts": num_prompts,
+        "input_len": input_len,
+        "output_len": output_len,
+        "elapsed_time": elapsed,
+        "requests_per_second": num_prompts / elapsed,
+        "total_tokens_per_second": num_prompts * (input_len + output_len) / elapsed,
+        "output_tokens_per_second": num_prompts * output_len / elapsed,
+        "engine": engine.core.config_info(),
+    }
+    typer.echo(
+        f"Throughput: {summary['requests_per_second']:.2f} requests/s, {summary['total_tokens_per_second']:.1f} total tokens/s, "
+        f"{summary['output_tokens_per_second']:.1f} output tokens/s ({num_prompts} x {input_len} in / {output_len} out, "
+        f"{elapsed:.2f} s)"
+    )
+    _write_json(output_json, summary)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``bench latency`` and ``bench throughput`` to the ``fastdeploy`` command line."""
+    app.add_typer(bench_app, name="bench")
