@@ -79,8 +79,10 @@ class LlamaAttention(nn.Layer):
 
     def forward(self, positions: paddle.Tensor, hidden: paddle.Tensor, kv_cache, meta: ForwardMeta) -> paddle.Tensor:
         qkv = self.qkv_proj(hidden).reshape([-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim])
-        q, k, v = paddle.split(qkv, [self.num_heads, self.num_kv_heads, self.num_kv_heads], axis=1)
-        q, k = self.rotary_emb(positions, q, k)
+        # Rotate Q and K heads together: one set of RoPE ops instead of two.
+        qk, v = paddle.split(qkv, [self.num_heads + self.num_kv_heads, self.num_kv_heads], axis=1)
+        qk, _ = self.rotary_emb(positions, qk, None)
+        q, k = paddle.split(qk, [self.num_heads, self.num_kv_heads], axis=1)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape([-1, self.num_heads * self.head_dim]))
 
