@@ -101,6 +101,7 @@ class _SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
     return_token_ids: bool = False
     request_id: str | None = Field(None, min_length=1, max_length=256)
 

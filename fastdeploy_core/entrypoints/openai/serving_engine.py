@@ -217,6 +217,7 @@ class ServingState:
             prompt_logprobs=prompt_logprobs,
             bad_words=list(req.bad_words) if req.bad_words else None,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
         )
         if banned:
             # bad_words become token sequences the way the output processor does it; then add the bans.
