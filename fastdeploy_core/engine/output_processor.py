@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from fastdeploy_core.engine.outputs import (
     CompletionOutput,
+    CompletionOutputs,
     EngineCoreOutput,
     RequestMetrics,
     RequestOutput,
@@ -283,7 +284,7 @@ class OutputProcessor:
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
+            outputs=CompletionOutputs(completions),
             finished=state.finished,
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens,

@@ -113,14 +113,33 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+class CompletionOutputs(list):
+    """The choices of a request; FastDeploy-style attribute access reads choice 0.
+
+    FastDeploy's ``RequestOutput.outputs`` is one ``CompletionOutput`` (``out.outputs.text``);
+    with ``n > 1`` a request has several, so this is a list of them (``out.outputs[i]``) that
+    also answers ``out.outputs.text`` / ``.token_ids`` / ``.logprobs`` / ``.finish_reason`` from
+    the first choice, so code written for FastDeploy works unchanged.
+    """
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or not self:
+            raise AttributeError(name)
+        return getattr(self[0], name)
+
+
 @dataclass
 class RequestOutput:
-    """A request's result so far (``finished`` once every choice ended)."""
+    """A request's result so far (``finished`` once every choice ended).
+
+    ``outputs`` is a :class:`CompletionOutputs`: ``out.outputs.text`` (FastDeploy style, choice 0)
+    and ``out.outputs[i].text`` (every choice) both work.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: CompletionOutputs
     finished: bool = False
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0

@@ -46,7 +46,8 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 def test_chat_answers_paris(llm, reference):
     out = llm.chat(CHAT_MESSAGES, greedy())[0]
-    assert ANSWER in out.outputs[0].text
+    assert ANSWER in out.outputs.text  # FastDeploy style: outputs reads as the (only) choice
+    assert out.outputs.text == out.outputs[0].text and out.outputs.finish_reason == "stop"
     assert out.outputs[0].finish_reason == "stop" and out.finished
     assert out.prompt_token_ids == reference["ids"].tolist()  # template + tokenizer agree with transformers
     m = out.metrics
