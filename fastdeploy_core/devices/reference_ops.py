@@ -185,16 +185,34 @@ class ReferenceOps:
 
         if state["pad_rows"] is not None:
             q = paddle.index_select(q, state["pad_rows"], axis=0)  # [B * max_q, h, d]
-        qg = (q * scale).reshape([batch, max_q, num_kv_heads, group, head_dim])
-        qg = qg.transpose([0, 2, 3, 1, 4]).reshape([batch, num_kv_heads, group * max_q, head_dim])
-        scores = paddle.matmul(qg, k, transpose_y=True)  # [B, kvh, g * max_q, max_kv]
-        scores = scores.reshape([batch, num_kv_heads, group, max_q, max_kv]) + state["mask"]
-        probs = F.softmax(scores, axis=-1).reshape([batch, num_kv_heads, group * max_q, max_kv])
-        out = paddle.matmul(probs, v).reshape([batch, num_kv_heads, group, max_q, head_dim])
-        out = out.transpose([0, 3, 1, 2, 4]).reshape([batch * max_q, num_heads, head_dim])
+        q = (q * scale).reshape([batch, max_q, num_kv_heads, group, head_dim])
+        # Long prefills attend in query chunks so the score tensor stays bounded.
+        chunk = max(1, self.max_score_elements // (batch * num_heads * max_kv))
+        outs = []
+        for start in range(0, max_q, chunk):
+            stop = min(max_q, start + chunk)
+            mask = state["mask"] if (start, stop) == (0, max_q) else state["mask"][:, :, :, start:stop]
+            outs.append(self._prefill_attention(q[:, start:stop], k, v, mask))
+        out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=1)  # [B, max_q, h, d]
+        out = out.reshape([batch * max_q, num_heads, head_dim])
         if state["unpad_rows"] is not None:
             out = paddle.index_select(out, state["unpad_rows"], axis=0)
         return out
+
+    #: Upper bound on the elements of one attention score tensor (float32: 4 bytes each).
+    max_score_elements: int = 64 * 1024 * 1024
+
+    @staticmethod
+    def _prefill_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor) -> paddle.Tensor:
+        """``q [B, L, kvh, g, d]`` (pre-scaled) over ``k``/``v [B, kvh, S, d]`` -> ``[B, L, h, d]``."""
+        batch, length, num_kv_heads, group, head_dim = q.shape
+        qg = q.transpose([0, 2, 3, 1, 4]).reshape([batch, num_kv_heads, group * length, head_dim])
+        scores = paddle.matmul(qg, k, transpose_y=True)  # [B, kvh, g * L, S]
+        max_kv = scores.shape[-1]
+        scores = scores.reshape([batch, num_kv_heads, group, length, max_kv]) + mask
+        probs = F.softmax(scores, axis=-1).reshape([batch, num_kv_heads, group * length, max_kv])
+        out = paddle.matmul(probs, v).reshape([batch, num_kv_heads, group, length, head_dim])
+        return out.transpose([0, 3, 1, 2, 4]).reshape([batch, length, num_kv_heads * group, head_dim])
 
     def _build_attention_state(self, meta, block_size: int) -> dict:
         """Host-side index math of one step, turned into device tensors once for all layers."""

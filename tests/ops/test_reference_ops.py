@@ -195,3 +195,13 @@ def test_norms_activation_linear_embedding():
     table = rng.standard_normal((10, 4)).astype(np.float32)
     ids = np.array([3, 0, 9, 3])
     np.testing.assert_array_equal(ops.embedding(paddle.to_tensor(ids), paddle.to_tensor(table)).numpy(), table[ids])
+
+
+def test_long_prefill_is_attended_in_query_chunks():
+    """A tiny score budget forces the query-chunked path; results must not change."""
+    ops, caches, rng = ReferenceOps(), new_caches(), np.random.default_rng(6)
+    ops.max_score_elements = 2 * 2 * H * 24  # 2 sequences x 24 cache slots: 2 query rows per chunk
+    a = Sequence(rng, 21, [0, 4, 8, 12, 16, 20])
+    b = Sequence(rng, 9, [1, 5, 9])
+    run_step(ops, caches, [a, b], [(0, 11), (0, 9)])
+    run_step(ops, caches, [a, b], [(11, 21), (8, 9)])
