@@ -68,7 +68,23 @@ class ModelRunner:
         self.source = resolve_model_source(args.model.model)
         model_cls = pm.resolve_model(self.source.architecture, args.model.model_impl)
         paddle.seed(args.model.seed)
-        self.model = model_cls(self.source.hf_config, quant_config=args.quant.parsed())
+        from fastdeploy_core.quantization.kv_cache import Int8KVCacheQuantizer
+        from fastdeploy_core.quantization.registry import resolve_quantization
+
+        self.quantizer = resolve_quantization(
+            args.quant.quantization,
+            device=self.device_cls,
+            plugin_manager=pm,
+            hf_config=self.source.hf_config,
+            gguf_path=self.source.path if self.source.format == "gguf" else None,
+        )
+        self.kv_quantizer = self.quantizer.kv_cache_method if self.quantizer is not None else None
+        if self.kv_quantizer is None and args.cache.kv_cache_dtype == "int8":
+            self.kv_quantizer = Int8KVCacheQuantizer()
+        if self.kv_quantizer is not None:
+            self.ops = self.kv_quantizer.wrap_ops(self.ops)
+            set_current_ops(self.ops)
+        self.model = model_cls(self.source.hf_config, quant_config=self.quantizer)
         load_model_weights(self.model, self.source)
         self.model.eval()
 
@@ -92,6 +108,8 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         layers, kv_heads, head_dim = self.model.kv_cache_spec()
+        if self.kv_quantizer is not None:
+            return 2 * layers * self.block_size * self.kv_quantizer.bytes_per_token(kv_heads, head_dim)
         return 2 * layers * self.block_size * kv_heads * head_dim * _DTYPE_BYTES
 
     def activation_bytes(self) -> int:
@@ -140,6 +158,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
         layers, kv_heads, head_dim = self.model.kv_cache_spec()
+        if self.kv_quantizer is not None:
+            return [self.kv_quantizer.allocate(num_blocks, self.block_size, kv_heads, head_dim) for _ in range(layers)]
         shape = (num_blocks, self.block_size, kv_heads, head_dim)
         caches = []
         if self.device_cls.paddle_device_type == "cpu":

@@ -11,7 +11,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -221,8 +221,17 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return gguf_name  # unknown: passed through so the model reports it by name
 
 
-def iterate_gguf(path: str, hf_config: dict | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """``(hf_name, float32 array [out, in])`` for every tensor of a Llama GGUF file."""
+def iterate_gguf(
+    path: str,
+    hf_config: dict | None = None,
+    keep_blocks: Callable[[str, str], bool] | None = None,
+) -> Iterator[tuple[str, object]]:
+    """``(hf_name, float32 array [out, in])`` for every tensor of a Llama GGUF file.
+
+    ``keep_blocks(hf_name, type_name)`` (from the active quantizer's ``gguf_block_filter``)
+    selects tensors handed over as raw :class:`~fastdeploy_core.quantization.gguf.GGUFBlocks`
+    instead of being dequantized; Q/K rows are un-permuted either way.
+    """
     reader = open_gguf(path)
     config = hf_config or gguf_to_hf_config(path)
     num_heads = int(config["num_attention_heads"])
@@ -231,13 +240,22 @@ def iterate_gguf(path: str, hf_config: dict | None = None) -> Iterator[tuple[str
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
-        array = _dequantize(path, tensor)
         expected = tuple(int(d) for d in reversed(tensor.shape))
+        heads = None
+        if name.endswith("self_attn.q_proj.weight"):
+            heads = num_heads
+        elif name.endswith("self_attn.k_proj.weight"):
+            heads = num_kv_heads
+        if keep_blocks is not None and len(expected) == 2 and keep_blocks(name, tensor.tensor_type.name):
+            from fastdeploy_core.quantization.gguf import GGUFBlocks
+
+            blocks = GGUFBlocks(tensor.tensor_type.name, np.asarray(tensor.data), expected)
+            yield name, (blocks.unpermute_heads(heads) if heads else blocks)
+            continue
+        array = _dequantize(path, tensor)
         if int(np.prod(array.shape)) != math.prod(expected):
             raise ModelLoadError(f"{path}: tensor {tensor.name} dequantized to {array.shape}, expected {expected}")
         array = array.reshape(expected)
-        if name.endswith("self_attn.q_proj.weight"):
-            array = _unpermute(array, num_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
-            array = _unpermute(array, num_kv_heads)
+        if heads:
+            array = _unpermute(array, heads)
         yield name, array

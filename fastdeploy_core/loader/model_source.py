@@ -91,17 +91,29 @@ def resolve_model_source(model: str | None) -> ModelSource:
     raise ModelLoadError(f"directory {model!r} has neither config.json nor a .gguf file; {_WHAT_TO_PASS}", param="model")
 
 
-def iterate_weights(source: ModelSource):
-    """``(hf_name, float32 numpy array)`` pairs of the model's checkpoint."""
+def iterate_weights(source: ModelSource, keep_blocks=None):
+    """``(hf_name, float32 numpy array)`` pairs of the model's checkpoint.
+
+    For GGUF sources, ``keep_blocks(hf_name, type_name)`` selects tensors passed on as raw
+    quantized blocks (see :func:`fastdeploy_core.loader.gguf_loader.iterate_gguf`).
+    """
     if source.format == "gguf":
         from fastdeploy_core.loader.gguf_loader import iterate_gguf
 
-        return iterate_gguf(source.path, source.hf_config)
+        return iterate_gguf(source.path, source.hf_config, keep_blocks=keep_blocks)
     from fastdeploy_core.loader.safetensors_loader import iterate_safetensors
 
     return iterate_safetensors(source.path)
 
 
 def load_model_weights(model, source: ModelSource) -> None:
-    """Feed the checkpoint of ``source`` into ``model.load_weights``."""
-    model.load_weights(iterate_weights(source))
+    """Feed the checkpoint of ``source`` into ``model.load_weights``.
+
+    When the model was built with a quantizer that takes GGUF blocks as stored
+    (``quant_config.gguf_block_filter(model)``), those tensors skip the float round trip.
+    """
+    keep_blocks = None
+    quant_config = getattr(model, "quant_config", None)
+    if source.format == "gguf" and hasattr(quant_config, "gguf_block_filter"):
+        keep_blocks = quant_config.gguf_block_filter(model)
+    model.load_weights(iterate_weights(source, keep_blocks=keep_blocks))

@@ -185,7 +185,7 @@ class QuantizerBase(LinearMethodBase):
                 raise ModelLoadError(f"{where}: GGUF blocks can only fill a weight, not {tensor_name}")
             if loaded.shape != (stop - start, layer.input_size):
                 raise ModelLoadError(f"{where}: GGUF tensor of shape {loaded.shape}, expected {(stop - start, layer.input_size)}")
-            if self.accepts_gguf(loaded):
+            if self.accepts_gguf(loaded.type_name):
                 tensors = self.load_gguf(loaded)
             else:
                 tensors = self.quantize(loaded.dequantize().T)
@@ -236,9 +236,50 @@ class QuantizerBase(LinearMethodBase):
         """Float32 ``weight [in, n]`` -> storage tensors for those ``n`` columns (online conversion)."""
         raise NotImplementedError
 
-    def accepts_gguf(self, blocks) -> bool:
-        """Whether :meth:`load_gguf` takes these blocks as stored (else they are dequantized and requantized)."""
-        return blocks.type_name in self.gguf_types
+    def accepts_gguf(self, type_name: str) -> bool:
+        """Whether :meth:`load_gguf` takes GGUF blocks of ``type_name`` as stored (else they are dequantized and requantized)."""
+        return type_name in self.gguf_types
+
+    def for_gguf(self, tensor_types: set[str]) -> "QuantizerBase":
+        """This method adapted to a GGUF checkpoint whose linear weights have ``tensor_types``.
+
+        GGUF blocks are groups of 32 input rows: when every linear weight is of a type this
+        method takes and the user set no ``group_size``, the storage uses groups of 32 so the
+        blocks load as stored. Otherwise ``self`` (weights are dequantized and requantized).
+        """
+        fields = type(self.config).model_fields
+        if "group_size" not in fields or "group_size" in self.config.model_fields_set:
+            return self
+        if not tensor_types or not tensor_types <= set(self.gguf_types):
+            return self
+        return type(self)(self.config.model_copy(update={"group_size": 32}))
+
+    def gguf_block_filter(self, model) -> Callable[[str, str], bool]:
+        """``keep(hf_name, type_name)``: whether a GGUF loader should hand this tensor over as blocks.
+
+        True for the weight of a linear layer this method quantizes when it takes that block
+        type; the name is mapped through the model's ``packed_modules_mapping`` (q_proj ->
+        qkv_proj ...) to find the layer.
+        """
+        takes: dict[str, QuantizerBase] = {}
+        for name, layer in model.named_sublayers():
+            method = getattr(layer, "quant_method", None)
+            if isinstance(method, QuantizerBase):
+                takes[name] = method
+        mapping = getattr(model, "packed_modules_mapping", {}) or {}
+
+        def keep(hf_name: str, type_name: str) -> bool:
+            if not hf_name.endswith(".weight"):
+                return False
+            prefix = hf_name[: -len(".weight")]
+            for part, (fused, _) in mapping.items():
+                if prefix.endswith(f".{part}"):
+                    prefix = prefix[: -len(part)] + fused
+                    break
+            method = takes.get(prefix)
+            return method is not None and method.accepts_gguf(type_name)
+
+        return keep
 
     def load_gguf(self, blocks) -> dict[str, np.ndarray]:
         """GGUF blocks of one tensor -> storage tensors, without dequantizing to float."""

@@ -73,6 +73,22 @@ class GGUFBlocks:
         return np.asarray(values, dtype=np.float32).reshape(self.shape)
 
 
+#: GGUF tensor-name parts of the linear layers (attention and MLP projections).
+LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def linear_tensor_types(path: str) -> set[str]:
+    """GGUF types (``"Q4_1"``, ``"F32"``...) of the linear-layer weights in the GGUF file ``path``."""
+    from fastdeploy_core.loader.gguf_loader import open_gguf
+
+    types = set()
+    for tensor in open_gguf(path).tensors:
+        parts = tensor.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in LINEAR_PARTS and parts[3] == "weight":
+            types.add(tensor.tensor_type.name)
+    return types
+
+
 def _half(raw: np.ndarray) -> np.ndarray:
     """Two bytes per entry (last axis) as float16 -> float32."""
     return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)

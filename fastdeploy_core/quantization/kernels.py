@@ -1,7 +1,7 @@
 """The cpu quantization kernels: C++ custom ops built once per machine, loaded on first use.
 
 ``csrc/weight_only_gemm.cc`` is compiled with ``paddle.utils.cpp_extension`` (gcc,
-``-O3 -march=native -fopenmp``) into a cache directory (``$FD_KERNEL_CACHE``, default
+``-O3 -march=native``, its own thread pool) into a cache directory (``$FD_KERNEL_CACHE``, default
 ``~/.cache/fastdeploy/kernels``) under a name that hashes the source, the flags, the Paddle
 version and the CPU's feature flags, so a changed source or another machine builds afresh and
 an unchanged one loads the cached library in well under a second. A file lock keeps
@@ -27,8 +27,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).parent / "csrc" / "weight_only_gemm.cc",)
-CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
-LD_FLAGS = ["-fopenmp"]
+CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
+LD_FLAGS = ["-pthread"]
 DISABLE_ENV = "FD_DISABLE_QUANT_KERNELS"
 CACHE_ENV = "FD_KERNEL_CACHE"
 

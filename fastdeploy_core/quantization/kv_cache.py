@@ -38,8 +38,18 @@ class QuantizedKVCache:
     """One layer's K (or V) paged cache in int8 with per-token, per-head scales."""
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
-        self.data = paddle.zeros([num_blocks, block_size, num_kv_heads, head_dim], dtype="int8")
-        self.scale = paddle.ones([num_blocks, block_size, num_kv_heads, 1], dtype="float32")
+        self._host: list[np.ndarray] = []  # keeps DLPack-shared numpy buffers alive
+        self.data = self._zeros([num_blocks, block_size, num_kv_heads, head_dim], "int8")
+        self.scale = self._zeros([num_blocks, block_size, num_kv_heads, 1], "float32")
+
+    def _zeros(self, shape: list[int], dtype: str) -> paddle.Tensor:
+        """Zeros; on the cpu numpy's calloc-backed buffer shared through DLPack, so the OS commits
+        pages only as the cache fills (a large cache budget costs RAM only when used)."""
+        if paddle.get_device() == "cpu":
+            buffer = np.zeros(shape, dtype=dtype)
+            self._host.append(buffer)
+            return paddle.utils.dlpack.from_dlpack(buffer)
+        return paddle.zeros(shape, dtype=dtype)
 
     @property
     def shape(self) -> list[int]:

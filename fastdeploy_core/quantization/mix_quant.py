@@ -52,6 +52,17 @@ class MixQuant(QuantizerBase):
         moe = resolver(moe_type, shared) if moe_type else None
         return cls(config, dense=dense, moe=moe)
 
+    def for_gguf(self, tensor_types: set[str]) -> "MixQuant":
+        return MixQuant(
+            self.config,
+            dense=self.dense.for_gguf(tensor_types) if self.dense else None,
+            moe=self.moe.for_gguf(tensor_types) if self.moe else None,
+        )
+
+    def gguf_block_filter(self, model):
+        # The layers' own methods (the parts) decide; the base walks them.
+        return QuantizerBase.gguf_block_filter(self, model)
+
     def required_methods(self) -> list[str]:
         names: list[str] = []
         for part in (self.dense, self.moe):

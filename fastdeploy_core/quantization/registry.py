@@ -139,10 +139,13 @@ def resolve_quantization(
     device=None,
     plugin_manager=None,
     hf_config: dict | None = None,
+    gguf_path: str | None = None,
 ) -> QuantizerBase | None:
     """The quantizer for ``--quantization spec`` and the checkpoint's own config, checked against ``device``.
 
-    Returns ``None`` when nothing is quantized.
+    ``gguf_path``: the model is this GGUF file; a method that can hold its linear weights' blocks
+    as stored (``wint8`` for Q8_0, ``wint4`` for Q4_0/Q4_1) switches to groups of 32 unless the
+    user set ``group_size``. Returns ``None`` when nothing is quantized.
     """
     pm = _registry(plugin_manager)
     user = parse_spec(spec)
@@ -174,6 +177,10 @@ def resolve_quantization(
     if not isinstance(name, str):
         raise QuantizationError(f"'quantization' must be a method name, got {name!r}", param="quantization")
     quantizer = build_quantizer(name, data, pm, lenient=lenient)
+    if gguf_path is not None:
+        from fastdeploy_core.quantization.gguf import linear_tensor_types
+
+        quantizer = quantizer.for_gguf(linear_tensor_types(gguf_path))
     if device is not None:
         check_device(quantizer, device, pm)
     return quantizer

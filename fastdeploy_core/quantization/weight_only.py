@@ -143,9 +143,9 @@ class WeightOnlyInt8(QuantizerBase):
     def quantize(self, weight: np.ndarray) -> dict[str, np.ndarray]:
         return quantize_int8(weight, self.group_size_for(weight.shape[0]))
 
-    def accepts_gguf(self, blocks) -> bool:
+    def accepts_gguf(self, type_name: str) -> bool:
         # Q8_0 blocks are groups of 32 input rows: they fit storage made for group_size 32.
-        return blocks.type_name in self.gguf_types and self.group_size_for(blocks.shape[1]) == 32
+        return type_name in self.gguf_types and self.config.group_size == 32
 
     def load_gguf(self, blocks) -> dict[str, np.ndarray]:
         from fastdeploy_core.quantization.gguf import q8_0_to_int8
@@ -202,8 +202,8 @@ class WeightOnlyInt4(QuantizerBase):
     def quantize(self, weight: np.ndarray) -> dict[str, np.ndarray]:
         return quantize_int4(weight, self.config.group_size, self.config.has_zero_point)
 
-    def accepts_gguf(self, blocks) -> bool:
-        return blocks.type_name in self.gguf_types and self.config.group_size == 32
+    def accepts_gguf(self, type_name: str) -> bool:
+        return type_name in self.gguf_types and self.config.group_size == 32
 
     def load_gguf(self, blocks) -> dict[str, np.ndarray]:
         from fastdeploy_core.quantization.gguf import q4_to_int4
