@@ -263,3 +263,26 @@ def test_checkpoint_of_another_shape_or_model_is_rejected(tiny_hf_dir, tmp_path)
     with pytest.raises(ModelLoadError, match="lacks"):
         model.load_weights([("model.norm.weight", np.ones(64, np.float32))])
     shutil.rmtree(tiny_hf_dir)
+
+
+def test_gguf_tensors_can_be_handed_over_as_raw_blocks(tmp_path):
+    """A quantizer's block filter gets Q8_0 linear weights as raw blocks, Q/K rows un-permuted."""
+    hf_model = _tiny_hf()
+    write_llama_gguf(tmp_path / "q8.gguf", hf_model, gguf.GGMLQuantizationType.Q8_0)
+    path = str(tmp_path / "q8.gguf")
+    floats = dict(iterate_gguf(path))
+    asked = []
+
+    def keep(name, type_name):
+        asked.append((name, type_name))
+        return name.endswith("proj.weight") and type_name == "Q8_0"
+
+    raw = dict(iterate_gguf(path, keep_blocks=keep))
+    assert ("model.layers.0.self_attn.q_proj.weight", "Q8_0") in asked
+    assert ("model.norm.weight", "F32") not in asked  # 1-D tensors are never blocks
+    for name, value in raw.items():
+        if name.endswith("proj.weight"):
+            assert type(value).__name__ == "GGUFBlocks" and value.shape == floats[name].shape
+            np.testing.assert_array_equal(value.dequantize(), floats[name], err_msg=name)
+        else:
+            np.testing.assert_array_equal(value, floats[name], err_msg=name)
