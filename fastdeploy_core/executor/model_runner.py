@@ -32,7 +32,7 @@ from fastdeploy_core.config import EngineArgs  # noqa: E402
 from fastdeploy_core.devices.current import set_current_ops  # noqa: E402
 from fastdeploy_core.engine.request import Request  # noqa: E402
 from fastdeploy_core.engine.scheduler import SchedulerOutput  # noqa: E402
-from fastdeploy_core.errors import ConfigError, OutOfKVCacheError  # noqa: E402
+from fastdeploy_core.errors import ConfigError, ModelLoadError, OutOfKVCacheError  # noqa: E402
 from fastdeploy_core.executor.forward_meta import ForwardMeta  # noqa: E402
 from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs  # noqa: E402
 
@@ -66,7 +66,7 @@ class ModelRunner:
         set_current_ops(self.ops)
 
         self.source = resolve_model_source(args.model.model)
-        model_cls = pm.resolve_model(self.source.architecture, args.model.model_impl)
+        model_cls = self._resolve_model_class(pm)
         paddle.seed(args.model.seed)
         from fastdeploy_core.quantization.kv_cache import Int8KVCacheQuantizer
         from fastdeploy_core.quantization.registry import resolve_quantization
@@ -84,7 +84,10 @@ class ModelRunner:
         if self.kv_quantizer is not None:
             self.ops = self.kv_quantizer.wrap_ops(self.ops)
             set_current_ops(self.ops)
-        self.model = model_cls(self.source.hf_config, quant_config=self.quantizer)
+        try:
+            self.model = model_cls(self.source.hf_config, quant_config=self.quantizer)
+        except ImportError as exc:
+            raise self._import_error(pm, exc) from exc
         load_model_weights(self.model, self.source)
         self.model.eval()
 
@@ -103,6 +106,22 @@ class ModelRunner:
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler()
+
+    def _resolve_model_class(self, pm):
+        try:
+            return pm.resolve_model(self.source.architecture, self.args.model.model_impl)
+        except ImportError as exc:
+            raise self._import_error(pm, exc) from exc
+
+    def _import_error(self, pm, exc: ImportError) -> ModelLoadError:
+        """A model plugin whose own dependency is missing: say which, and what works instead."""
+        native = ", ".join(pm.native_architectures()) or "none installed"
+        return ModelLoadError(
+            f"the implementation chosen for {self.source.architecture!r} (--model-impl "
+            f"{self.args.model.model_impl}) cannot be imported: {exc}; install the missing package "
+            f"{exc.name or ''} or use a model with a native implementation ({native})",
+            param="model",
+        )
 
     # ---- KV cache --------------------------------------------------------------------------
     @property

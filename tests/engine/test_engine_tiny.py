@@ -19,7 +19,13 @@ from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.engine.engine_core import EngineCore
 from fastdeploy_core.engine.outputs import EngineCoreRequest
 from fastdeploy_core.engine.sampling_params import SamplingParams
-from fastdeploy_core.errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError, OutOfKVCacheError
+from fastdeploy_core.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    ModelLoadError,
+    OutOfKVCacheError,
+    UnsupportedArchitectureError,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -328,5 +334,8 @@ def test_bad_engine_settings_are_typed(gqa_model, tmp_path):
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "vocab_size": 8}')
-    with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
+    with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM"):
+        make_core(str(odd), model_impl="fastdeploy")
+    with pytest.raises(ModelLoadError) as info:  # auto: native, else the PaddleFormers fallback
         make_core(str(odd))
+    assert "NoSuchForCausalLM" in str(info.value)
