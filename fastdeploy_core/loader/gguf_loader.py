@@ -41,6 +41,29 @@ _SKIPPED_TENSORS = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 _readers: dict[tuple, object] = {}
+
+
+def _fast_reader_class():
+    """``gguf.GGUFReader`` reading its header through a plain ndarray view of the file map.
+
+    The stock reader slices the ``np.memmap`` itself for each of the ~200k header items of a
+    vocabulary (49k tokens + merges); every memmap slice pays ``memmap.__array_finalize__``,
+    which makes parsing take seconds. Slicing a plain view of the same mapping is identical
+    data at a fraction of the cost. Falls back to the stock reader if gguf changes ``_get``.
+    """
+    import gguf
+
+    class FastGGUFReader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain_data")
+            if plain is None:
+                plain = self._plain_data = self.data.view(np.ndarray)
+            count = int(count)
+            end = offset + np.dtype(dtype).itemsize * count
+            arr = plain[offset:end].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return FastGGUFReader
 _readers_lock = threading.Lock()
 
 
@@ -58,7 +81,10 @@ def open_gguf(path: str):
         if reader is not None:
             return reader
         try:
-            reader = gguf.GGUFReader(path)
+            try:
+                reader = _fast_reader_class()(path)
+            except TypeError:  # a gguf release whose private _get differs: use the stock reader
+                reader = gguf.GGUFReader(path)
         except Exception as exc:  # the reader raises ValueError, struct/numpy errors, KeyError...
             raise ModelLoadError(
                 f"{path} is not a readable GGUF file (corrupt or truncated?): {type(exc).__name__}: {exc}"
