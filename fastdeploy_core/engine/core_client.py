@@ -284,6 +284,14 @@ class AsyncEngineClient:
                 self.abort([request_id])
             self._forget(request_id)
 
+    def abort_with_error(self, request_id: str, error: Exception) -> bool:
+        """Abort ``request_id`` and make its stream raise ``error``; False if it is not in flight."""
+        if request_id not in self._queues:
+            return False
+        self.abort([request_id])
+        self._fail_request(request_id, error)
+        return True
+
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests in the core (their KV blocks are freed before its next step)."""
         if request_ids and self.dead_error is None:

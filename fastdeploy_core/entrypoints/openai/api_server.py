@@ -176,8 +176,7 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
         aborted = [rid for rid in wanted if rid in active]
         # Closing the request's stream is what aborts it: fail its queue so the handler ends.
         for rid in aborted:
-            engine.abort([rid])
-            engine._fail_request(rid, _aborted_error(rid))
+            engine.abort_with_error(rid, _aborted_error(rid))
         return _json(AbortResponse(aborted=aborted, not_found=[r for r in wanted if r not in active]))
 
     @protected.post("/tokenize")

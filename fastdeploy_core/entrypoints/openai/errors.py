@@ -136,6 +136,13 @@ def install_exception_handlers(app: FastAPI) -> None:
             headers=getattr(exc, "headers", None),
         )
 
+    from fastdeploy_core.entrypoints.openai.serving_engine import ClientDisconnected
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> JSONResponse:
+        # Nobody reads this answer; 499 (client closed request) keeps it out of the 5xx counts.
+        return JSONResponse(error_body("client disconnected; request aborted", "client_disconnected"), status_code=499)
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error while serving a request")

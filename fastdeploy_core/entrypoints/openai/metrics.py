@@ -109,7 +109,7 @@ class ServerMetrics:
         generation_tokens: int,
         success: bool,
     ) -> None:
-        """Record one finished sequence (each of ``n`` choices counts once)."""
+        """Record one finished sequence (each of ``n`` choices is one; ``success`` counts a request)."""
         if admitted is not None:
             self.queue_time.observe(max(0.0, admitted - arrival))
         if first_token is not None:

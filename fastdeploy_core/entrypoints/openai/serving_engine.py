@@ -312,7 +312,7 @@ class ServingState:
         m = out.metrics
         now = time.time()
         first = getattr(m, "first_token_time", None) if m else None
-        for choice in out.outputs:
+        for k, choice in enumerate(out.outputs):
             self.metrics.observe_request(
                 arrival=arrival,
                 admitted=admitted,
@@ -320,7 +320,7 @@ class ServingState:
                 finished=(getattr(m, "finish_time", None) or now) if m else now,
                 prompt_tokens=len(out.prompt_token_ids),
                 generation_tokens=len(choice.token_ids),
-                success=success,
+                success=success and k == 0,  # one request, however many choices
             )
 
     # --- output pieces ------------------------------------------------------------------------
