@@ -234,17 +234,20 @@ class PaddleFormersForCausalLM(nn.Layer):
     def _check_rules(self, architecture: str) -> None:
         params = dict(self.model.named_parameters())
         targets = {r.dest for r in self.rules if r.dest is not None}
+        # Like PaddleFormers' own loader, a parameter no statement names loads from the
+        # checkpoint tensor of the same name (under the base model's prefix, e.g. an o_proj
+        # bias of Ernie 4.5 that its mapping leaves out); checkpoints store linears [out, in].
+        prefix = getattr(self.target.base_model_cls, "base_model_prefix", "model")
+        for name in params:
+            if name not in targets:
+                transposed = name in self._linear_weights
+                self.rules.append(Rule([f"{prefix}.{name}" if prefix else name], name, "copy", [transposed]))
+                targets.add(name)
         stray = sorted(d for d in targets if d not in params and not d.startswith("lm_head."))
         if stray:
             raise UnsupportedArchitectureError(
                 f"the PaddleFormers fallback cannot serve {architecture}: PaddleFormers' mapping names "
                 f"parameters its base model does not have: {', '.join(stray[:5])}"
-            )
-        unmapped = sorted(p for p in params if p not in targets)
-        if unmapped:
-            raise UnsupportedArchitectureError(
-                f"the PaddleFormers fallback cannot serve {architecture}: no checkpoint tensor is mapped to "
-                f"{', '.join(unmapped[:5])}"
             )
 
     # ---- the model interface -----------------------------------------------------------------

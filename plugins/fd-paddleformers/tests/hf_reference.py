@@ -1,0 +1,75 @@
+"""Build tiny random checkpoints with transformers and record its greedy tokens (run as a script).
+
+``python hf_reference.py OUT_DIR`` writes one HF directory per entry of :data:`CHECKPOINTS`
+under ``OUT_DIR`` and ``OUT_DIR/reference.json`` with transformers' greedy tokens for
+:data:`PROMPTS`. It runs in its own process because importing PaddleFormers (as the fallback
+does) hides torch from transformers in that process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+MAX_NEW = 12
+PROMPTS = [
+    [5, 9, 17, 33, 2, 7, 100, 64, 3],
+    [5, 9, 17, 33, 2, 7, 100, 64, 3, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57],  # shares 9 tokens
+    [1],
+    [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110],
+    [12, 12, 12, 12, 30],
+]
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.3,  # peaky logits: no near-ties between float32 stacks
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+#: name -> (transformers config class, model class, extra config); Llama has a native class,
+#: Phi3 and Ernie 4.5 have none, Mistral and Qwen2 are architectures PaddleFormers cannot build here
+CHECKPOINTS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=None, tie_word_embeddings=False)),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16, tie_word_embeddings=True, use_bias=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
+}
+
+
+def main(out_dir: str) -> None:
+    # PaddleFormers' dependency paddlecodec installs a module named torchcodec without its
+    # package metadata, which transformers' audio utilities trip over; nothing here needs it.
+    sys.modules.setdefault("torchcodec", None)
+    import torch
+    import transformers
+
+    reference = {"prompts": PROMPTS, "max_new": MAX_NEW, "tokens": {}, "paths": {}}
+    for name, (config_cls, model_cls, extra) in CHECKPOINTS.items():
+        config = getattr(transformers, config_cls)(**COMMON, **extra)
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(config).eval()
+        path = os.path.join(out_dir, name)
+        model.save_pretrained(path)
+        runs = []
+        with torch.no_grad():
+            for prompt in PROMPTS:
+                out = model.generate(
+                    torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+                )
+                runs.append(out[0, len(prompt) :].tolist())
+        reference["tokens"][name] = runs
+        reference["paths"][name] = path
+    with open(os.path.join(out_dir, "reference.json"), "w") as f:
+        json.dump(reference, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

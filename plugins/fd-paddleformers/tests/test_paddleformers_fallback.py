@@ -1,0 +1,202 @@
+"""The PaddleFormers fallback served by the engine, against transformers and the native Llama.
+
+Tiny random checkpoints are built and saved by transformers in a subprocess
+(:mod:`hf_reference`), which also records transformers' greedy tokens: importing PaddleFormers
+in this process hides torch from transformers, so no reference is computed here.
+
+Run them with PaddleFormers installed (see the plugin's README for the install that keeps the
+core's pins); without it the module is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import pytest
+
+_MISSING = [name for name in ("paddleformers", "torch", "transformers") if importlib.util.find_spec(name) is None]
+if _MISSING:
+    pytest.skip(
+        f"{', '.join(_MISSING)} not installed: the fallback tests need PaddleFormers (install it as "
+        "plugins/fd-paddleformers/README.md says) and torch + transformers for the references",
+        allow_module_level=True,
+    )
+
+from fastdeploy_core.config import EngineArgs  # noqa: E402
+from fastdeploy_core.engine.engine_core import EngineCore  # noqa: E402
+from fastdeploy_core.engine.outputs import EngineCoreRequest  # noqa: E402
+from fastdeploy_core.engine.sampling_params import SamplingParams  # noqa: E402
+from fastdeploy_core.errors import UnsupportedArchitectureError  # noqa: E402
+from fastdeploy_core.plugins import load_plugins  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory) -> dict:
+    """Checkpoint paths and transformers' greedy tokens, from a clean subprocess."""
+    out = tmp_path_factory.mktemp("pf_checkpoints")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "hf_reference.py"), str(out)], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "reference.json") as f:
+        return json.load(f)
+
+
+def make_core(path: str, **kw) -> EngineCore:
+    settings = dict(model=path, max_model_len=128, block_size=4, num_gpu_blocks_override=256)
+    settings.update(kw)
+    return EngineCore(EngineArgs.create(**settings))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run(core: EngineCore, requests: list[tuple[str, list[int]]], max_tokens: int) -> dict:
+    """Submit all, step to the end; {request id: [EngineCoreOutput, ...]}; checks no block leaks."""
+    for rid, prompt in requests:
+        core.add_request(EngineCoreRequest(rid, prompt, greedy(max_tokens)))
+    outs: dict = {}
+    steps = 0
+    while core.has_unfinished_requests():
+        steps += 1
+        assert steps < 10_000
+        for out in core.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks, "KV blocks leaked"
+    return outs
+
+
+def tokens(outs: dict, rid: str) -> list[int]:
+    return [t for o in outs[rid] for t in o.new_token_ids]
+
+
+def served_class(core: EngineCore) -> str:
+    return type(core.runner.model).__name__
+
+
+def test_llama_through_both_implementations_gives_identical_greedy_tokens(ref):
+    path, prompts, max_new = ref["paths"]["llama"], ref["prompts"], ref["max_new"]
+    native = make_core(path, model_impl="fastdeploy")
+    fallback = make_core(path, model_impl="paddleformers")
+    assert served_class(native) == "LlamaForCausalLM"
+    assert served_class(fallback) == "PaddleFormersForCausalLM"
+    for i, prompt in enumerate(prompts):
+        got_native = tokens(run(native, [("n", prompt)], max_new), "n")
+        got_fallback = tokens(run(fallback, [("f", prompt)], max_new), "f")
+        assert got_fallback == got_native == ref["tokens"]["llama"][i], f"prompt {i}"
+
+
+@pytest.mark.parametrize("name", ["phi3", "ernie4_5"])
+def test_architecture_without_native_class_is_served_by_auto_like_transformers(ref, name):
+    core = make_core(ref["paths"][name])  # --model-impl auto (the default)
+    assert served_class(core) == "PaddleFormersForCausalLM"
+    for i, prompt in enumerate(ref["prompts"]):
+        got = tokens(run(core, [(f"r{i}", prompt)], ref["max_new"]), f"r{i}")
+        assert got == ref["tokens"][name][i], f"{name} prompt {i}"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),  # every prompt in one batch
+        dict(max_num_batched_tokens=5),  # chunked prefill in small pieces, mixed with decodes
+        dict(enable_prefix_caching=False, max_num_seqs=2),
+    ],
+    ids=["batched", "chunked", "two_seqs_no_prefix_cache"],
+)
+@pytest.mark.parametrize("name", ["phi3", "ernie4_5"])
+def test_batching_and_chunked_prefill_give_the_tokens_of_alone(ref, name, settings):
+    core = make_core(ref["paths"][name], **settings)
+    prompts = ref["prompts"]
+    outs = run(core, [(f"r{i}", p) for i, p in enumerate(prompts)], ref["max_new"])
+    for i in range(len(prompts)):
+        assert tokens(outs, f"r{i}") == ref["tokens"][name][i], f"{name} prompt {i}"
+
+
+@pytest.mark.parametrize("name", ["phi3", "ernie4_5"])
+def test_prefix_cache_hits_give_the_same_tokens(ref, name):
+    core = make_core(ref["paths"][name])
+    prompts, expected = ref["prompts"], ref["tokens"][name]
+    first = run(core, [("a", prompts[1])], ref["max_new"])
+    assert first["a"][0].num_cached_tokens == 0
+    again = run(core, [("b", prompts[1]), ("c", prompts[0])], ref["max_new"])
+    assert tokens(again, "b") == expected[1] and tokens(again, "c") == expected[0]
+    assert again["b"][0].num_cached_tokens == 20  # 5 full blocks of 4 (the last prompt token is recomputed)
+    assert again["c"][0].num_cached_tokens == 8  # the shared 9-token prefix: 2 full blocks
+
+
+def test_model_impl_fastdeploy_without_native_class_is_a_clear_error(ref):
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        make_core(ref["paths"]["phi3"], model_impl="fastdeploy")
+    message = str(info.value)
+    assert "no native implementation of 'Phi3ForCausalLM'" in message
+    assert "LlamaForCausalLM" in message  # the native architectures are listed
+    assert "--model-impl auto or paddleformers" in message
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("mistral", "PaddleFormers has no implementation of MistralForCausalLM"),
+        ("qwen2", "paddlefleet"),  # PaddleFormers' Qwen2 module needs paddlefleet, which is not on PyPI
+    ],
+)
+@pytest.mark.parametrize("impl", ["paddleformers", "auto"])
+def test_architecture_paddleformers_cannot_build_is_a_clear_error(ref, name, why, impl):
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        make_core(ref["paths"][name], model_impl=impl)
+    message = str(info.value)
+    assert "PaddleFormers fallback cannot serve" in message and why in message
+
+
+def test_fallback_supports_reports_why(ref):
+    from fd_paddleformers.model import PaddleFormersForCausalLM
+
+    def config(name):
+        with open(os.path.join(ref["paths"][name], "config.json")) as f:
+            return json.load(f)
+
+    ok, why = PaddleFormersForCausalLM.supports(config("ernie4_5"))
+    assert ok and "Ernie4_5Model" in why
+    ok, why = PaddleFormersForCausalLM.supports(config("mistral"))
+    assert not ok and "no implementation of MistralForCausalLM" in why
+    windowed = dict(config("phi3"), sliding_window=32)
+    ok, why = PaddleFormersForCausalLM.supports(windowed)
+    assert not ok and "sliding-window" in why
+
+
+def test_plugin_registers_the_fallback_for_every_architecture():
+    pm = load_plugins()
+    target, impl, why = pm.model_provider("Phi3ForCausalLM", "auto")
+    assert impl == "paddleformers" and target == "fd_paddleformers.model:PaddleFormersForCausalLM"
+    assert "no native implementation of Phi3ForCausalLM" in why
+    target, impl, _ = pm.model_provider("LlamaForCausalLM", "auto")
+    assert impl == "fastdeploy"
+
+
+@pytest.mark.slow
+def test_default_model_through_both_implementations_gives_identical_greedy_tokens():
+    """The embedded SmolLM2-135M-Instruct GGUF: 64 greedy tokens, native vs fallback."""
+    from fastdeploy_core import LLM
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    results = {}
+    for impl in ("fastdeploy", "paddleformers"):
+        llm = LLM(model_impl=impl, max_model_len=512, num_gpu_blocks_override=16, max_num_seqs=4)
+        assert served_class(llm.engine.core) == {"fastdeploy": "LlamaForCausalLM", "paddleformers": "PaddleFormersForCausalLM"}[impl]
+        out = llm.chat(messages, params, use_tqdm=False)[0]
+        results[impl] = (list(out.outputs[0].token_ids), out.outputs[0].text)
+        del llm
+    assert results["paddleformers"][0] == results["fastdeploy"][0]
+    assert "The capital of France is Paris." in results["paddleformers"][1]
