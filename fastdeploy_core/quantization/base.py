@@ -273,7 +273,7 @@ class QuantizerBase(LinearMethodBase):
                 return False
             prefix = hf_name[: -len(".weight")]
             for part, (fused, _) in mapping.items():
-                if prefix.endswith(f".{part}"):
+                if prefix == part or prefix.endswith(f".{part}"):
                     prefix = prefix[: -len(part)] + fused
                     break
             method = takes.get(prefix)

@@ -71,8 +71,8 @@ class QuantizedKVCache:
 
     def gather_blocks(self, block_ids: paddle.Tensor) -> paddle.Tensor:
         """Float32 ``[n, block_size, kvh, d]`` of the blocks ``block_ids``."""
-        codes = paddle.index_select(self.data, block_ids, axis=0)
-        scale = paddle.index_select(self.scale, block_ids, axis=0)
+        codes = paddle.gather(self.data, block_ids, axis=0)  # index_select has no int8 kernel on cpu
+        scale = paddle.gather(self.scale, block_ids, axis=0)
         return dequantize_kv(codes, scale)
 
     def dequantize(self) -> paddle.Tensor:
