@@ -54,6 +54,7 @@ class Server:
     port: int
     log_path: str
     args: list[str] = field(default_factory=list)
+    metrics_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -116,7 +117,10 @@ def start_server(tmp_dir: str, *extra: str, api_keys: tuple[str, ...] = (API_KEY
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    srv = start_server(str(tmp_path_factory.mktemp("serve")), "--api-key", SECOND_KEY, "--max-concurrency", "4")
+    metrics_port = free_port()
+    srv = start_server(str(tmp_path_factory.mktemp("serve")), "--api-key", SECOND_KEY, "--max-concurrency", "4",
+                       "--metrics-port", str(metrics_port))
+    srv.metrics_port = metrics_port
     yield srv
     srv.stop()
 

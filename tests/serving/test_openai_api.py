@@ -206,6 +206,9 @@ def test_tokenize_detokenize(server):
 
 
 def test_health_ping_config_metrics(server):
+    messages = [{"role": "system", "content": LONG_SYSTEM * 2}, *QUESTION]
+    for _ in range(2):  # a repeated prompt: the second one hits the prefix cache
+        assert _post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2}).status_code == 200
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/ping").status_code == 200
     assert httpx.post(f"{server.url}/ping").status_code == 200
@@ -218,6 +221,8 @@ def test_health_ping_config_metrics(server):
                  "prompt_tokens_total", "generation_tokens_total", "request_success_total", "gpu_cache_usage_perc",
                  "hit_token_rate", "free_gpu_block_num"):
         assert f"fastdeploy:{name}" in text, name
+    separate = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics").text
+    assert "fastdeploy:request_success_total" in separate  # --metrics-port serves the same registry
     m = server.metrics()
     assert m["fastdeploy:request_success_total"] > 0
     assert m["fastdeploy:generation_tokens_total"] > 0

@@ -39,8 +39,17 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 
 def test_sigterm_stops_server_and_core_and_frees_ports(tmp_path):
-    srv = start_server(str(tmp_path))
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("served-model-name: from-preset\nmax-concurrency: 7\nmax_model_len: 256\nmax-num-seqs: 3\n")
+    # --max-model-len 512 on the command line (start_server) wins over the preset's 256
+    srv = start_server(str(tmp_path), "--config", str(preset))
     info = httpx.get(f"{srv.url}/config-info").json()
+    assert info["served_model_name"] == "from-preset"
+    assert info["server"]["max_concurrency"] == 7
+    assert info["engine_args"]["max_num_seqs"] == 8  # start_server's --max-num-seqs 8 wins
+    assert info["max_model_len"] == 512
+    models = httpx.get(f"{srv.url}/v1/models", headers=srv.headers()).json()
+    assert [m["id"] for m in models["data"]] == ["from-preset"]
     core_pid, core_port = info["engine_core_pid"], info["engine_worker_queue_port"]
     assert core_pid != srv.proc.pid and _pid_alive(core_pid)
     # a request in flight while the signal arrives must not keep the server up
@@ -64,7 +73,8 @@ def test_sigterm_stops_server_and_core_and_frees_ports(tmp_path):
 
 
 def test_killed_engine_core_gives_503_and_errors_in_flight(tmp_path):
-    srv = start_server(str(tmp_path))
+    # two engine slots, so a third request waits for one and gives up after 1 s
+    srv = start_server(str(tmp_path), "--max-num-seqs", "2", "--max-waiting-time", "1")
     core_pid = httpx.get(f"{srv.url}/config-info").json()["engine_core_pid"]
     results: dict[str, object] = {}
 
@@ -94,6 +104,11 @@ def test_killed_engine_core_gives_503_and_errors_in_flight(tmp_path):
         if running and float(running[0].split()[-1]) >= 2:
             break
         time.sleep(0.05)
+    t0 = time.monotonic()
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                   headers=srv.headers(), timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout", r.text
+    assert 0.9 < time.monotonic() - t0 < 10
     os.kill(core_pid, signal.SIGKILL)
     for t in threads:
         t.join(30)
