@@ -23,6 +23,7 @@ SERVER_KEYS = ("host", "port", "metrics_port", "engine_worker_queue_port", "api_
 NO_EFFECT_FLAGS: dict[str, str] = {
     "kv_cache_ratio": "FastDeploy splits GPU KV blocks between prefill and decode with it; "
     "this engine's scheduler shares one block pool",
+    "tensor_parallel_size": "tensor parallelism is not implemented in this engine yet; one device runs the whole model",
 }
 
 _NO_EFFECT_HELP = "Accepted for compatibility with FastDeploy; has no effect here."
@@ -78,7 +79,7 @@ def serve(
     gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="Fraction of device memory for weights + KV cache (of RAM on CPU)."),
     num_gpu_blocks_override: Optional[int] = typer.Option(None, "--num-gpu-blocks-override", help="Exact number of KV-cache blocks."),
     kv_cache_ratio: Optional[float] = typer.Option(None, "--kv-cache-ratio", help=_NO_EFFECT_HELP),
-    tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", help="Tensor-parallel degree."),
+    tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", help=_NO_EFFECT_HELP + " Tensor parallelism is not implemented yet."),
     model_impl: Optional[str] = typer.Option(None, "--model-impl", help="auto | fastdeploy | paddleformers."),
     quantization: Optional[str] = typer.Option(None, "--quantization", help="Quantization method name or FastDeploy JSON."),
     enable_prefix_caching: Optional[bool] = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes (default: on)."),
