@@ -120,9 +120,7 @@ def _quant_round_trip(array: np.ndarray, qtype) -> np.ndarray:
     return gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype).astype(np.float32)
 
 
-@pytest.mark.parametrize(
-    "qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0]
-)
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType[t] for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")])
 def test_gguf_written_like_llama_cpp_loads_to_the_hf_model(tmp_path, qtype):
     hf_model = _tiny_hf()
     path = tmp_path / "tiny.gguf"
