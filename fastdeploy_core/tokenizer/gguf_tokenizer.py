@@ -1,10 +1,17 @@
 """Rebuild a model's tokenizer from GGUF metadata so that it encodes exactly like llama.cpp.
 
-GPT-2-style (byte-level BPE) vocabularies are rebuilt as ``tokenizers`` BPE(vocab, merges)
-with the pre-tokenizer llama.cpp uses for the file's ``tokenizer.ggml.pre`` value. For
-SmolLM that is a split of every digit (``\\p{N}``, isolated) before GPT-2's byte-level
-regex, which transformers' own GGUF conversion omits. Control tokens (token type 3) become
-special added tokens, user-defined ones (type 4) plain added tokens.
+GPT-2-style (byte-level BPE, ``tokenizer.ggml.model = gpt2``) vocabularies are rebuilt as
+``tokenizers`` BPE(vocab, merges) with the pre-tokenizer llama.cpp uses for the file's
+``tokenizer.ggml.pre`` value. For SmolLM that is a split of every digit (``\\p{N}``,
+isolated) before GPT-2's byte-level regex, which transformers' own GGUF conversion omits.
+
+SentencePiece vocabularies (``tokenizer.ggml.model = llama``: Llama 2, Mistral, TinyLlama)
+become a byte-fallback BPE whose merges are recovered from the token scores: llama.cpp
+merges the adjacent pair whose merged piece has the highest score first, which is BPE with
+merges ranked by that score.
+
+Control tokens (token type 3) become special added tokens, user-defined ones (type 4) plain
+added tokens.
 """
 
 from __future__ import annotations
@@ -15,8 +22,12 @@ from tokenizers import Tokenizer as _HFTokenizer
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.tokenizer.tokenizer import Tokenizer
 
+_NORMAL = 1
+_UNKNOWN = 2
 _CONTROL = 3
 _USER_DEFINED = 4
+_BYTE = 6
+_SPIECE_SPACE = "\u2581"
 
 _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -61,6 +72,59 @@ def _field(reader, key: str):
     return None if field is None else field.contents()
 
 
+def _byte_level_backend(reader, path: str, tokens: list[str]) -> _HFTokenizer:
+    merges = _field(reader, "tokenizer.ggml.merges") or []
+    pre = _field(reader, "tokenizer.ggml.pre") or "default"
+    pre_tokenizer, ignore_merges = _pre_tokenizer(pre, path)
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def spm_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece-by-score: every split of a normal piece into two
+    vocabulary pieces, ranked by the merged piece's score (highest first)."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    ranked = []
+    for index, (piece, kind) in enumerate(zip(tokens, token_types)):
+        if kind not in (_NORMAL, _USER_DEFINED) or len(piece) < 2:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[index], vocab[left], vocab[right], left, right))
+    ranked.sort()
+    return [(left, right) for _, _, _, left, right in ranked]
+
+
+def _sentencepiece_backend(reader, tokens: list[str], token_types: list[int]) -> _HFTokenizer:
+    scores = [float(x) for x in (_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))]
+    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None else ("<unk>" if "<unk>" in tokens else None)
+    vocab = {token: index for index, token in enumerate(tokens)}
+    model = models.BPE(
+        vocab=vocab,
+        merges=spm_merges(tokens, scores, token_types),
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    backend = _HFTokenizer(model)
+    add_space_prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
+    add_space_prefix = True if add_space_prefix is None else bool(add_space_prefix)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPIECE_SPACE, prepend_scheme="first" if add_space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace(_SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
 def load_gguf_tokenizer(path: str) -> Tokenizer:
     """The tokenizer stored in the metadata of GGUF file ``path``."""
     from fastdeploy_core.loader.gguf_loader import open_gguf
@@ -69,23 +133,22 @@ def load_gguf_tokenizer(path: str) -> Tokenizer:
     model_kind = _field(reader, "tokenizer.ggml.model")
     if model_kind is None:
         raise ModelLoadError(f"{path} carries no tokenizer (tokenizer.ggml.model is missing)")
-    if model_kind != "gpt2":
-        raise ModelLoadError(
-            f"{path}: GGUF tokenizer model {model_kind!r} is not supported yet (only byte-level BPE, 'gpt2'); "
-            "use an HF model directory with tokenizer.json instead"
-        )
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = _field(reader, "tokenizer.ggml.merges") or []
-    token_types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    pre = _field(reader, "tokenizer.ggml.pre") or "default"
-    pre_tokenizer, ignore_merges = _pre_tokenizer(pre, path)
-
-    vocab = {token: index for index, token in enumerate(tokens)}
-    merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
-    backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, ignore_merges=ignore_merges))
-    backend.pre_tokenizer = pre_tokenizer
-    backend.decoder = decoders.ByteLevel()
-    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(token_types) if t == _CONTROL]
+    token_types = _field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if model_kind == "gpt2":
+        backend = _byte_level_backend(reader, path, tokens)
+        special_types = (_CONTROL,)
+        default_add_bos = False
+    elif model_kind == "llama":
+        backend = _sentencepiece_backend(reader, tokens, token_types)
+        special_types = (_CONTROL, _UNKNOWN)
+        default_add_bos = True  # llama.cpp adds BOS to SentencePiece vocabularies unless told otherwise
+    else:
+        raise ModelLoadError(
+            f"{path}: GGUF tokenizer model {model_kind!r} is not supported (supported: gpt2 byte-level BPE, "
+            "llama SentencePiece); use an HF model directory with tokenizer.json instead"
+        )
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(token_types) if t in special_types]
     user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(token_types) if t == _USER_DEFINED]
     if special:
         backend.add_special_tokens(special)
@@ -102,5 +165,6 @@ def load_gguf_tokenizer(path: str) -> Tokenizer:
         "unk_token": token_of("tokenizer.ggml.unknown_token_id"),
         "pad_token": token_of("tokenizer.ggml.padding_token_id"),
     }
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token") or False)
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
+    add_bos = default_add_bos if add_bos is None else bool(add_bos)
     return Tokenizer(backend, special_tokens, _field(reader, "tokenizer.chat_template"), add_bos_token=add_bos)
