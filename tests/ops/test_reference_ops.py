@@ -205,3 +205,13 @@ def test_long_prefill_is_attended_in_query_chunks():
     b = Sequence(rng, 9, [1, 5, 9])
     run_step(ops, caches, [a, b], [(0, 11), (0, 9)])
     run_step(ops, caches, [a, b], [(11, 21), (8, 9)])
+
+
+def test_write_kv_cache_reaches_numpy_backed_caches():
+    """The cpu model runner allocates caches as numpy buffers shared through DLPack."""
+    buffers = [np.zeros((4, BLOCK, KVH, D), np.float32) for _ in range(2)]
+    k_cache, v_cache = (paddle.utils.dlpack.from_dlpack(b) for b in buffers)
+    k = paddle.ones([2, KVH, D])
+    ReferenceOps().write_kv_cache(k, k * 2, k_cache, v_cache, paddle.to_tensor(np.array([1, 6], dtype=np.int64)))
+    assert buffers[0].reshape(-1, KVH, D)[[1, 6]].sum() == 2 * KVH * D
+    assert buffers[1].sum() == 4 * KVH * D
