@@ -35,13 +35,30 @@ class PaddleFormersTarget:
     base_model_cls: type
 
 
+#: the PaddleFormers releases whose model code and mapping declarations this adapter was checked on
+TESTED_PADDLEFORMERS = ("1.2.",)
+INSTALL_HINT = "pip install --no-deps paddleformers==1.2.0 (see plugins/fd-paddleformers/README.md)"
+
+
 def import_paddleformers():
-    """Import PaddleFormers quietly (it logs at import and patches transformers' torch probe)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import paddleformers.transformers  # noqa: F401
-        from paddleformers.transformers.auto import configuration as auto_configuration
-        from paddleformers.transformers.auto import modeling as auto_modeling
+    """Import PaddleFormers quietly; :class:`NotServableError` with the install line if it cannot.
+
+    Importing PaddleFormers has process-wide effects: when torch is not imported yet it
+    imports transformers with torch hidden (transformers then runs without torch in this
+    process) and it sets ``sys.modules["torchcodec"] = None``.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import paddleformers
+            import paddleformers.transformers  # noqa: F401
+            from paddleformers.transformers.auto import configuration as auto_configuration
+            from paddleformers.transformers.auto import modeling as auto_modeling
+    except ImportError as exc:
+        raise NotServableError(f"PaddleFormers is not importable ({exc}); {INSTALL_HINT}") from None
+    version = getattr(paddleformers, "__version__", "unknown")
+    if not version.startswith(TESTED_PADDLEFORMERS):
+        logger.warning("PaddleFormers %s is installed; the fallback was checked on %s", version, INSTALL_HINT)
     return auto_configuration, auto_modeling
 
 
