@@ -12,7 +12,8 @@ import paddle
 from paddle import nn
 
 from fastdeploy_core.devices.current import current_ops
-from fastdeploy_core.layers.weights import as_float32, copy_into, new_parameter
+from fastdeploy_core.layers.linear import Linear
+from fastdeploy_core.layers.weights import copy_into, new_parameter
 
 
 class VocabEmbedding(nn.Layer):
@@ -32,24 +33,15 @@ class VocabEmbedding(nn.Layer):
         return current_ops().embedding(ids, self.weight)
 
 
-class LMHead(nn.Layer):
+class LMHead(Linear):
     """``hidden [B, H] -> logits [B, V]`` (float32), weight stored ``[H, V]``.
 
     Loaded from ``lm_head.weight`` (untied) or from the embedding tensor (tied); both arrive
-    in the checkpoint's ``[V, H]`` layout.
+    in the checkpoint's ``[V, H]`` layout. It is a :class:`Linear` named ``lm_head``, so a
+    quantizer may give it a quantized method (weight-only methods store it as int8).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False):
-        super().__init__()
+    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False, quant_config=None, prefix: str = "lm_head"):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
-        self.weight = new_parameter(self, [hidden_size, vocab_size])
-        self.weight.weight_loader = self.weight_loader
-        self.bias = new_parameter(self, [vocab_size]) if bias else None
-
-    def weight_loader(self, param: paddle.Tensor, loaded, shard_id=None) -> None:
-        array = as_float32(loaded)
-        copy_into(param, array.T if array.ndim == 2 else array, "lm_head weight")
-
-    def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        return current_ops().linear(hidden, self.weight, self.bias)
+        super().__init__(hidden_size, vocab_size, bias=bias, quant_config=quant_config, prefix=prefix)

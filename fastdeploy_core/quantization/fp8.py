@@ -11,6 +11,8 @@ holds each block's scale repeated over the block's columns, so a kernel reads on
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import paddle
 from pydantic import Field, field_validator
@@ -44,6 +46,7 @@ def quantize_block_fp8(weight: np.ndarray, block: tuple[int, int]) -> dict[str, 
 
 
 class BlockWiseFP8Config(QuantizerConfig):
+    lm_head_quant_type: Literal["wint8"] | None = Field("wint8", description="int8 LM head (None: float32)")
     weight_block_size: list[int] = Field(default_factory=lambda: [128, 128], description="[input rows, output columns] per scale")
 
     @field_validator("weight_block_size")

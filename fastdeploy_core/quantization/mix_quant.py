@@ -13,7 +13,7 @@ from typing import Callable
 from pydantic import Field
 
 from fastdeploy_core.errors import QuantizationError
-from fastdeploy_core.quantization.base import QuantizerBase, QuantizerConfig
+from fastdeploy_core.quantization.base import QuantizerBase, QuantizerConfig, is_lm_head
 
 
 class MixQuantConfig(QuantizerConfig):
@@ -77,6 +77,8 @@ class MixQuant(QuantizerBase):
         return out
 
     def get_quant_method(self, layer, prefix: str):
+        if is_lm_head(prefix):
+            return self.lm_head_method() if self.applies_to(prefix) else None
         is_moe = bool(getattr(layer, "is_moe_expert", False)) or ".experts." in prefix
         part = self.moe if is_moe else self.dense
         if part is None or not self.applies_to(prefix):

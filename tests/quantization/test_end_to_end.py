@@ -17,6 +17,7 @@ from fastdeploy_core.engine.sampling_params import SamplingParams  # noqa: E402
 from fastdeploy_core.errors import QuantizationError  # noqa: E402
 from fastdeploy_core.quantization.base import QuantizerBase  # noqa: E402
 from fastdeploy_core.quantization.kv_cache import QuantizedKVCache  # noqa: E402
+from fastdeploy_core.quantization.weight_only import WeightOnlyInt8  # noqa: E402
 
 PROMPTS = [[5, 9, 17, 33, 2, 7, 100, 64, 3], [1], [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101], [12, 12, 12, 30]]
 MAX_NEW = 10
@@ -149,8 +150,16 @@ def test_tiny_model_generates_with_each_method(tiny_dir, float_run, name):
     float_tokens, sequences, float_lp = float_run
     core = make_core(tiny_dir, quantization=METHODS[name])
     runner = core.runner
-    linears = [layer for layer in runner.model.sublayers() if isinstance(getattr(layer, "quant_method", None), QuantizerBase)]
+    model = runner.model
+    linears = [
+        layer
+        for layer in model.model.sublayers()
+        if isinstance(getattr(layer, "quant_method", None), QuantizerBase)
+    ]
     assert len(linears) == (0 if name == "kv_int8" else 2 * 4)  # qkv, o, gate_up, down per layer
+    # weight-only methods keep the LM head in per-channel int8 (mix_quant only when asked)
+    head_is_int8 = isinstance(model.lm_head.quant_method, WeightOnlyInt8)
+    assert head_is_int8 == (name not in ("kv_int8", "mix_wint8_kv_int8"))
     assert isinstance(runner.kv_caches[0][0], QuantizedKVCache) == ("kv_int8" in name)
     tokens = generate(core)
     assert [len(t) for t in tokens] == [MAX_NEW] * len(PROMPTS)

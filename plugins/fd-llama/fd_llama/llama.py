@@ -178,7 +178,7 @@ class LlamaForCausalLM(nn.Layer):
         self.dims = _Dims(hf_config)
         self.quant_config = quant_config
         self.model = LlamaModel(self.dims, quant_config)
-        self.lm_head = LMHead(self.dims.vocab_size, self.dims.hidden_size)
+        self.lm_head = LMHead(self.dims.vocab_size, self.dims.hidden_size, quant_config=quant_config)
 
     def forward(self, meta: ForwardMeta, kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]]) -> paddle.Tensor:
         return self.model(meta, kv_caches)

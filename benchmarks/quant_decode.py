@@ -1,0 +1,131 @@
+"""Batch-1 decode speed and weight memory of the default model per quantization method.
+
+Usage: python benchmarks/quant_decode.py [--methods none,wint8,wint4] [--tokens 64] [--rounds 3]
+       [--model PATH]
+
+Builds one model per method (the native Llama with the method's quantizer, the cpu device's
+ops table with the C++ kernels), prefills the SmolLM2 chat prompt and times ``--tokens``
+greedy decode steps over a paged KV cache. Methods are measured round-robin in one process
+so machine noise hits them alike; the best round per method is reported, with the ratio to
+float32 ("none"). Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def weight_bytes(model) -> int:
+    total = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        n = 1
+        for d in tensor.shape:
+            n *= int(d)
+        total += n * tensor.element_size()
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--methods", default="none,wint8,wint4")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+    import paddle
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [root, os.path.join(root, "plugins", "fd-llama")]
+    from fd_llama.llama import LlamaForCausalLM
+
+    from fastdeploy_core.devices.cpu import CpuDevice
+    from fastdeploy_core.devices.current import set_current_ops
+    from fastdeploy_core.loader import load_model_weights, resolve_model_source
+    from fastdeploy_core.quantization.kernels import load_kernels
+    from fastdeploy_core.quantization.registry import resolve_quantization
+    from fastdeploy_core.tokenizer import load_tokenizer
+    from tests.models.paged_harness import build_meta
+
+    set_current_ops(CpuDevice.make_ops())
+    load_kernels()
+    source = resolve_model_source(args.model)
+    tokenizer = load_tokenizer(source)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+
+    runs = {}
+    for method in args.methods.split(","):
+        t0 = time.perf_counter()
+        quantizer = None
+        if method != "none":
+            quantizer = resolve_quantization(
+                method, device=CpuDevice, hf_config=source.hf_config,
+                gguf_path=source.path if source.format == "gguf" else None,
+            )
+        model = LlamaForCausalLM(source.hf_config, quant_config=quantizer)
+        model.eval()
+        load_model_weights(model, source)
+        num_layers, kv_heads, head_dim = model.kv_cache_spec()
+        bs = 64
+        blocks = -(-(len(prompt) + args.tokens + 1) // bs)
+        caches = [(paddle.zeros([blocks, bs, kv_heads, head_dim]), paddle.zeros([blocks, bs, kv_heads, head_dim])) for _ in range(num_layers)]
+        runs[method] = {"model": model, "caches": caches, "table": list(range(blocks)), "load_s": time.perf_counter() - t0,
+                        "weight_mib": weight_bytes(model) / 2**20, "decode": [], "prefill": [], "text": None}
+
+    def run(entry):
+        model, caches, table = entry["model"], entry["caches"], entry["table"]
+
+        def step(chunks):
+            meta = build_meta(chunks, 64)
+            hidden = model(meta, caches)
+            logits = model.compute_logits(paddle.index_select(hidden, meta.logits_indices, axis=0))
+            return paddle.argmax(logits, axis=-1).numpy()
+
+        t = time.perf_counter()
+        tokens = step([(prompt, 0, table)])
+        prefill = time.perf_counter() - t
+        out = [int(tokens[0])]
+        t = time.perf_counter()
+        for i in range(args.tokens):
+            tokens = step([([out[-1]], len(prompt) + i, table)])
+            out.append(int(tokens[0]))
+        return prefill, args.tokens / (time.perf_counter() - t), out
+
+    with paddle.no_grad():
+        for entry in runs.values():
+            run(entry)  # warm-up
+        for _ in range(args.rounds):
+            for entry in runs.values():
+                prefill, tok_s, out = run(entry)
+                entry["prefill"].append(prefill)
+                entry["decode"].append(tok_s)
+                entry["text"] = tokenizer.decode(out)
+
+    base = max(runs["none"]["decode"]) if "none" in runs else None
+    results = {}
+    print(f"{'method':<16}{'weights MiB':>12}{'prefill ms':>12}{'decode tok/s':>14}{'vs fp32':>9}  first tokens")
+    for method, entry in runs.items():
+        best = max(entry["decode"])
+        results[method] = {
+            "weight_mib": round(entry["weight_mib"], 1),
+            "prefill_ms": round(min(entry["prefill"]) * 1e3, 1),
+            "decode_tok_s": round(best, 1),
+            "decode_runs": [round(x, 1) for x in entry["decode"]],
+            "vs_float32": round(best / base, 2) if base else None,
+            "text": entry["text"][:60],
+        }
+        r = results[method]
+        print(f"{method:<16}{r['weight_mib']:>12}{r['prefill_ms']:>12}{r['decode_tok_s']:>14}{str(r['vs_float32']):>9}  {r['text']!r}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
