@@ -104,7 +104,9 @@ class ReferenceOps:
         ``cos_sin_cache [max_positions, 2, d]`` holds ``cos`` and a signed ``sin`` per position
         (built by :mod:`fastdeploy_core.layers.rotary`): with ``sin_signed = [-sin, sin]`` the
         rotation ``x * cos + rotate_half(x) * sin`` becomes ``x * cos + roll(x, d/2) * sin_signed``.
-        ``k`` may be ``None`` (then only ``q`` is rotated).
+        ``k`` may be ``None`` (then only ``q`` is rotated). The cos/sin gather is done once per
+        step and reused while the same ``positions`` tensor object comes back (every layer of
+        one forward), so a runner must pass a new ``positions`` tensor each step, never refill one.
         """
         cos, sin = self._rope_cos_sin(positions, cos_sin_cache)
         half = q.shape[-1] // 2
