@@ -235,8 +235,13 @@ class PluginManager:
     def native_architectures(self) -> list[str]:
         return sorted(a for a, impl in self.models.keys() if impl == "fastdeploy" and a != "*")
 
-    def model_provider(self, architecture: str, impl: str = "auto") -> tuple[Any, str, str]:
-        """(target, impl used, why) for ``architecture`` under ``--model-impl impl``; not imported."""
+    def model_provider(self, architecture: str, impl: str = "auto", hf_config: dict | None = None) -> tuple[Any, str, str]:
+        """(target, impl used, why) for ``architecture`` under ``--model-impl impl``.
+
+        The native target is not imported. With ``hf_config``, a fallback about to be chosen is
+        imported and asked ``supports(hf_config) -> (ok, reason)`` (if it has that classmethod),
+        so an architecture it cannot build fails here with its reason.
+        """
         native = self.models.get((architecture, "fastdeploy"))
         fallback = self.models.get((architecture, "paddleformers")) or self.models.get(("*", "paddleformers"))
         if impl == "fastdeploy":
@@ -253,16 +258,31 @@ class PluginManager:
                     f"--model-impl paddleformers: the PaddleFormers fallback is not installed or failed to load "
                     f"({self._fallback_status()}); install fd-paddleformers"
                 )
-            return fallback, "paddleformers", "PaddleFormers fallback requested"
+            detail = self._check_fallback(fallback, architecture, impl, hf_config)
+            return fallback, "paddleformers", f"PaddleFormers fallback requested{detail}"
         if native is not None:
             return native, "fastdeploy", f"native implementation of {architecture}"
         if fallback is not None:
-            return fallback, "paddleformers", f"no native implementation of {architecture}; using the PaddleFormers fallback"
+            detail = self._check_fallback(fallback, architecture, impl, hf_config)
+            return fallback, "paddleformers", f"no native implementation of {architecture}; using the PaddleFormers fallback{detail}"
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported: native architectures are "
             f"{', '.join(self.native_architectures()) or 'none installed'}; the PaddleFormers fallback "
             f"{self._fallback_status()}"
         )
+
+    def _check_fallback(self, target: Any, architecture: str, impl: str, hf_config: dict | None) -> str:
+        """`` (reason)`` from the fallback's ``supports``; raises when it cannot serve ``hf_config``."""
+        supports = getattr(_import_target(target), "supports", None) if hf_config is not None else None
+        if supports is None:
+            return ""
+        ok, reason = supports(hf_config)
+        if not ok:
+            raise UnsupportedArchitectureError(
+                f"--model-impl {impl}: the PaddleFormers fallback cannot serve {architecture}: {reason}; native "
+                f"architectures: {', '.join(self.native_architectures()) or 'none installed'}"
+            )
+        return f" ({reason})"
 
     def _fallback_status(self) -> str:
         failed = self.failure_for_distribution("fd-paddleformers")
@@ -272,9 +292,9 @@ class PluginManager:
             return "is installed"
         return "is not installed (pip install fd-paddleformers)"
 
-    def resolve_model(self, architecture: str, impl: str = "auto") -> type:
-        """The model class for ``architecture`` (imported now)."""
-        target, _, _ = self.model_provider(architecture, impl)
+    def resolve_model(self, architecture: str, impl: str = "auto", hf_config: dict | None = None) -> type:
+        """The model class for ``architecture`` (imported now); see :meth:`model_provider`."""
+        target, _, _ = self.model_provider(architecture, impl, hf_config)
         return _import_target(target)
 
     def describe(self) -> list[dict]:

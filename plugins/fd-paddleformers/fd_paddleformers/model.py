@@ -171,7 +171,7 @@ class PaddleFormersForCausalLM(nn.Layer):
         self._linear_weights: set[str] = set()
         self._swap_layers()
         self._bind_attention(architecture)
-        self.lm_head = LMHead(self.vocab_size, self.hidden_size)
+        self.lm_head = LMHead(self.vocab_size, self.hidden_size, quant_config=quant_config)
         self.rules = rules
         self._check_rules(architecture)
 
@@ -193,6 +193,9 @@ class PaddleFormersForCausalLM(nn.Layer):
 
     def _swap_layers(self) -> None:
         """Replace PaddleFormers' linears, RMS norms and embedding by the core layers, in place."""
+        for name, param in self.model.named_parameters():
+            if param.dtype != paddle.float32:
+                raise UnsupportedArchitectureError(f"PaddleFormers built {name} as {param.dtype}, not float32")
         pf_rms_norm = _paddleformers_rms_norm_class()
         parents = [("", self.model)] + [(name, layer) for name, layer in self.model.named_sublayers()]
         for parent_path, parent in parents:
@@ -210,9 +213,6 @@ class PaddleFormersForCausalLM(nn.Layer):
             raise UnsupportedArchitectureError(
                 f"{type(self.model).__name__} has no plain token embedding 'embed_tokens' the fallback can drive"
             )
-        for name, param in self.model.named_parameters():
-            if param.dtype != paddle.float32:
-                raise UnsupportedArchitectureError(f"PaddleFormers built {name} as {param.dtype}, not float32")
 
     def _bind_attention(self, architecture: str) -> None:
         layers = getattr(self.model, "layers", None)
@@ -295,7 +295,7 @@ class PaddleFormersForCausalLM(nn.Layer):
             loader = getattr(param, "weight_loader", None)
             try:
                 if loader is not None:
-                    if dest in self._linear_weights and array.ndim == 2 and not transposed:
+                    if not transposed and dest in self._linear_weights and array.ndim == 2:
                         array = array.T  # stored [in, out]; the core linear loader takes [out, in]
                     loader(param, array)
                 else:

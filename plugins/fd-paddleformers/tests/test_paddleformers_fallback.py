@@ -184,6 +184,22 @@ def test_plugin_registers_the_fallback_for_every_architecture():
     assert impl == "fastdeploy"
 
 
+def test_plugin_manager_asks_the_fallback_whether_it_can_serve(ref):
+    pm = load_plugins()
+
+    def config(name):
+        with open(os.path.join(ref["paths"][name], "config.json")) as f:
+            return json.load(f)
+
+    _, impl, why = pm.model_provider("Ernie4_5ForCausalLM", "auto", config("ernie4_5"))
+    assert impl == "paddleformers" and "Ernie4_5Model" in why
+    for impl in ("auto", "paddleformers"):
+        with pytest.raises(UnsupportedArchitectureError) as info:
+            pm.model_provider("MistralForCausalLM", impl, config("mistral"))
+        message = str(info.value)
+        assert "no implementation of MistralForCausalLM" in message and "native architectures: LlamaForCausalLM" in message
+
+
 @pytest.mark.slow
 def test_default_model_through_both_implementations_gives_identical_greedy_tokens():
     """The embedded SmolLM2-135M-Instruct GGUF: 64 greedy tokens, native vs fallback."""
@@ -200,3 +216,19 @@ def test_default_model_through_both_implementations_gives_identical_greedy_token
         del llm
     assert results["paddleformers"][0] == results["fastdeploy"][0]
     assert "The capital of France is Paris." in results["paddleformers"][1]
+
+
+def test_fallback_linears_take_the_quantization_method(ref):
+    """wint8: every PaddleFormers linear is a core Linear with int8 storage, tokens as native wint8."""
+    path, prompts, max_new = ref["paths"]["llama"], ref["prompts"], ref["max_new"]
+    native = make_core(path, model_impl="fastdeploy", quantization="wint8")
+    fallback = make_core(path, model_impl="paddleformers", quantization="wint8")
+    model = fallback.runner.model
+    linears = [layer for name, layer in model.named_sublayers() if name.endswith("_proj")]
+    assert len(linears) == 2 * 7  # q, k, v, o, gate, up, down per layer
+    assert all(type(layer.quant_method).__name__ == "WeightOnlyInt8" for layer in linears)
+    assert all(str(layer.weight.dtype) == "paddle.int8" for layer in linears)
+    for i, prompt in enumerate(prompts):
+        got_native = tokens(run(native, [("n", prompt)], max_new), "n")
+        got_fallback = tokens(run(fallback, [("f", prompt)], max_new), "f")
+        assert got_fallback == got_native, f"prompt {i}"
