@@ -27,7 +27,8 @@
 // workers claim from one atomic counter. The caller never waits for a worker that has not
 // woken up: it only waits for chunks already claimed. (An OpenMP team waits at its barrier
 // for every thread; on a busy 2-core machine one descheduled thread turned a 0.1 ms GEMV into
-// 3-5 ms.) Workers spin briefly after a job, then sleep on a condition variable.
+// 3-5 ms.) Workers sleep on a condition variable between jobs: a worker spinning after a job
+// kept the second core from Paddle's own OpenMP ops (an RMSNorm went from 0.5 to 3 ms).
 
 #include <immintrin.h>
 
@@ -147,6 +148,7 @@ class Pool {
     if (const char* env = std::getenv("OMP_NUM_THREADS")) threads = std::atoi(env);
     if (const char* env = std::getenv("FD_QUANT_KERNEL_THREADS")) threads = std::atoi(env);
     threads = std::max(1, std::min(threads, 64));
+    if (const char* env = std::getenv("FD_QUANT_KERNEL_SPIN")) spin_limit_ = std::atoi(env);
     for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { loop(); });
   }
 
@@ -177,7 +179,7 @@ class Pool {
     uint64_t seen = 0;
     while (!stop_.load()) {
       uint64_t gen = next_.load(std::memory_order_acquire) >> 32;
-      for (int spin = 0; gen == seen && spin < 20000 && !stop_.load(); ++spin) {
+      for (int spin = 0; gen == seen && spin < spin_limit_ && !stop_.load(); ++spin) {
         _mm_pause();
         gen = next_.load(std::memory_order_acquire) >> 32;
       }
@@ -201,6 +203,7 @@ class Pool {
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   uint64_t generation_ = 0;
+  int spin_limit_ = 0;  // FD_QUANT_KERNEL_SPIN: pause-loops a worker spins before sleeping
   void (*fn_)(void*, int64_t) = nullptr;
   void* ctx_ = nullptr;
   int64_t total_ = 0;
