@@ -69,9 +69,15 @@ def paged_attention_forward(
         )
     step = binding.step
     _, num_heads, num_tokens, head_dim = query.shape
-    q = query.transpose([0, 2, 1, 3]).reshape([num_tokens, num_heads, head_dim])
-    k = key.transpose([0, 2, 1, 3]).reshape([num_tokens, key.shape[1], head_dim])
-    v = value.transpose([0, 2, 1, 3]).reshape([num_tokens, value.shape[1], head_dim])
+    num_kv_heads = key.shape[1]
+    if num_tokens == 1:  # one decode token: [1, h, 1, d] already has the memory order of [1, h, d]
+        q = query.reshape([1, num_heads, head_dim])
+        k = key.reshape([1, num_kv_heads, head_dim])
+        v = value.reshape([1, num_kv_heads, head_dim])
+    else:
+        q = query.transpose([0, 2, 1, 3]).reshape([num_tokens, num_heads, head_dim])
+        k = key.transpose([0, 2, 1, 3]).reshape([num_tokens, num_kv_heads, head_dim])
+        v = value.transpose([0, 2, 1, 3]).reshape([num_tokens, num_kv_heads, head_dim])
     out = binding.attention(q, k, v, step.kv_caches[binding.layer_index], step.meta)
     return out.reshape([1, num_tokens, num_heads * head_dim]), None
 

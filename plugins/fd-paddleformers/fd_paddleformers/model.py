@@ -33,7 +33,7 @@ from fastdeploy_core.errors import ModelLoadError, UnsupportedArchitectureError
 from fastdeploy_core.executor.forward_meta import ForwardMeta
 from fastdeploy_core.layers.attention import Attention
 from fastdeploy_core.layers.embedding import LMHead, VocabEmbedding
-from fastdeploy_core.layers.linear import Linear, LinearMethodBase
+from fastdeploy_core.layers.linear import Linear, LinearMethodBase, MergedColumnLinear
 from fastdeploy_core.layers.norm import RMSNorm
 from fd_paddleformers.architectures import NotServableError, PaddleFormersTarget, resolve_target
 from fd_paddleformers.attention import (
@@ -158,6 +158,9 @@ class PaddleFormersForCausalLM(nn.Layer):
         finally:
             paddle.set_default_dtype(previous_dtype)
         self.model.eval()
+        for name, param in self.model.named_parameters():
+            if param.dtype != paddle.float32:
+                raise UnsupportedArchitectureError(f"PaddleFormers built {name} as {param.dtype}, not float32")
 
         self.num_layers = int(pf_config.num_hidden_layers)
         self.num_heads = int(pf_config.num_attention_heads)
@@ -169,10 +172,18 @@ class PaddleFormersForCausalLM(nn.Layer):
 
         self._step = StepContext()
         self._linear_weights: set[str] = set()
+        #: parameter named by PaddleFormers' mapping -> (merged parameter, shard)
+        self._redirects: dict[str, tuple[str, str]] = {}
+        #: checkpoint projection -> (merged layer, shard), for loaders that route by layer name
+        self.packed_modules_mapping: dict[str, tuple[str, str]] = {}
+        self._merge_gate_up()
         self._swap_layers()
         self._bind_attention(architecture)
         self.lm_head = LMHead(self.vocab_size, self.hidden_size, quant_config=quant_config)
         self.rules = rules
+        for rule in self.rules:
+            if rule.dest in self._redirects:
+                rule.dest, rule.shard = self._redirects[rule.dest]
         self._check_rules(architecture)
 
     # ---- building --------------------------------------------------------------------------
@@ -191,11 +202,51 @@ class PaddleFormersForCausalLM(nn.Layer):
             return VocabEmbedding(int(num), int(dim))
         return None
 
+    def _merge_gate_up(self) -> None:
+        """Run PaddleFormers' MLPs in their own fused mode: one ``[gate | up]`` matmul + swiglu.
+
+        PaddleFormers' generic ``MLP`` has a fused mode (``fuse_up_gate``: one projection whose
+        output it feeds to ``swiglu``) that some families build and others (Llama) do not. For a
+        SiLU-gated MLP built unfused, the two projections are replaced by one core
+        ``MergedColumnLinear`` and the MLP is switched to that mode; the checkpoint's gate and up
+        tensors load into its two shards.
+        """
+        from paddleformers.nn.mlp import MLP as PaddleFormersMLP
+
+        for path, mlp in list(self.model.named_sublayers()):
+            if not isinstance(mlp, PaddleFormersMLP) or type(mlp).forward is not PaddleFormersMLP.forward:
+                continue
+            if mlp.fuse_up_gate or mlp.act_type not in ("silu", "swish"):
+                continue
+            gate, up = mlp.gate_proj, mlp.up_proj
+            if type(gate) is not nn.Linear or type(up) is not nn.Linear or gate.weight.shape != up.weight.shape:
+                continue
+            hidden, inter = (int(n) for n in gate.weight.shape)
+            fused_name = mlp.gate_up_proj_name
+            names = {}
+            for name, child in list(mlp._sub_layers.items()):
+                if child is gate or child is up:
+                    names.setdefault("gate" if child is gate else "up", name)
+                    del mlp._sub_layers[name]
+            merged = MergedColumnLinear(
+                hidden,
+                [inter, inter],
+                bias=gate.bias is not None,
+                quant_config=self.quant_config,
+                prefix=f"model.{path}.{fused_name}",
+                shard_names=("gate", "up"),
+            )
+            setattr(mlp, fused_name, merged)
+            mlp.fuse_up_gate = True
+            mlp.fuse_swiglu = True
+            self._linear_weights.add(f"{path}.{fused_name}.weight")
+            for shard, name in names.items():
+                for tensor in ("weight", "bias"):
+                    self._redirects[f"{path}.{name}.{tensor}"] = (f"{path}.{fused_name}.{tensor}", shard)
+                self.packed_modules_mapping[name] = (fused_name, shard)
+
     def _swap_layers(self) -> None:
         """Replace PaddleFormers' linears, RMS norms and embedding by the core layers, in place."""
-        for name, param in self.model.named_parameters():
-            if param.dtype != paddle.float32:
-                raise UnsupportedArchitectureError(f"PaddleFormers built {name} as {param.dtype}, not float32")
         pf_rms_norm = _paddleformers_rms_norm_class()
         parents = [("", self.model)] + [(name, layer) for name, layer in self.model.named_sublayers()]
         for parent_path, parent in parents:
@@ -285,19 +336,24 @@ class PaddleFormersForCausalLM(nn.Layer):
             for source in rule.sources:
                 by_source.setdefault(source, []).append(rule)
         pending: dict[int, dict[str, np.ndarray]] = {}
-        loaded: set[str] = set()
         unexpected: list[str] = []
         head_loaded = False
         embed_source = next((r.sources[0] for r in self.rules if r.dest == "embed_tokens.weight"), None)
 
-        def put(dest: str, array: np.ndarray, transposed: bool) -> None:
+        expected: dict[str, set] = {}
+        for rule in self.rules:
+            if rule.dest in params:
+                expected.setdefault(rule.dest, set()).add(rule.shard)
+        loaded: dict[str, set] = {}
+
+        def put(dest: str, array: np.ndarray, transposed: bool, shard: str | None = None) -> None:
             param = params[dest]
             loader = getattr(param, "weight_loader", None)
             try:
                 if loader is not None:
                     if not transposed and dest in self._linear_weights and array.ndim == 2:
                         array = array.T  # stored [in, out]; the core linear loader takes [out, in]
-                    loader(param, array)
+                    loader(param, array, shard)
                 else:
                     value = np.asarray(array.T if transposed and array.ndim == 2 else array, dtype=np.float32)
                     if tuple(value.shape) != tuple(param.shape):
@@ -305,7 +361,7 @@ class PaddleFormersForCausalLM(nn.Layer):
                     param.set_value(value)
             except ModelLoadError as exc:
                 raise ModelLoadError(f"tensor for {dest}: {exc.message}") from None
-            loaded.add(dest)
+            loaded.setdefault(dest, set()).add(shard)
 
         for name, array in weights:
             if name.endswith(IGNORED_SUFFIXES):
@@ -326,19 +382,19 @@ class PaddleFormersForCausalLM(nn.Layer):
                 if rule.dest is None or rule.dest.startswith("lm_head."):
                     continue
                 if rule.kind == "copy":
-                    put(rule.dest, array, rule.transposed[0])
+                    put(rule.dest, array, rule.transposed[0], rule.shard)
                     continue
                 parts = pending.setdefault(id(rule), {})
                 parts[name] = array
                 if len(parts) == len(rule.sources):
-                    put(rule.dest, fuse(rule, [parts[s] for s in rule.sources]), rule.transposed[0])
+                    put(rule.dest, fuse(rule, [parts[s] for s in rule.sources]), rule.transposed[0], rule.shard)
                     del pending[id(rule)]
         if unexpected:
             raise ModelLoadError(
                 f"checkpoint has {len(unexpected)} tensors PaddleFormers' {self.target.family} mapping has no place "
                 f"for, e.g. {', '.join(unexpected[:5])}"
             )
-        missing = sorted(set(params) - loaded)
+        missing = sorted(p for p in params if loaded.get(p, set()) != expected.get(p, {None}))
         if not head_loaded:
             missing.append("lm_head.weight")
         if missing:

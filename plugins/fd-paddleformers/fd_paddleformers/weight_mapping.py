@@ -46,6 +46,8 @@ class Rule:
     transposed: list[bool] = field(default_factory=list)
     num_heads: int = 0
     num_kv_heads: int = 0
+    #: when ``dest`` is one shard of a merged parameter (set by the model, not by statements)
+    shard: str | None = None
 
 
 def _split_top(text: str) -> list[str]:

@@ -224,8 +224,10 @@ def test_fallback_linears_take_the_quantization_method(ref):
     native = make_core(path, model_impl="fastdeploy", quantization="wint8")
     fallback = make_core(path, model_impl="paddleformers", quantization="wint8")
     model = fallback.runner.model
-    linears = [layer for name, layer in model.named_sublayers() if name.endswith("_proj")]
-    assert len(linears) == 2 * 7  # q, k, v, o, gate, up, down per layer
+    linears = {name: layer for name, layer in model.named_sublayers() if name.endswith("_proj")}
+    # q, k, v, o and down, plus gate and up merged into PaddleFormers' fused up_gate_proj
+    assert len(linears) == 2 * 6 and "model.layers.1.mlp.up_gate_proj" in linears
+    linears = list(linears.values())
     assert all(type(layer.quant_method).__name__ == "WeightOnlyInt8" for layer in linears)
     assert all(str(layer.weight.dtype) == "paddle.int8" for layer in linears)
     for i, prompt in enumerate(prompts):
