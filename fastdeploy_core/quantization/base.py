@@ -324,12 +324,24 @@ class QuantizerBase(LinearMethodBase):
         raise NotImplementedError
 
     def apply(self, layer, x: paddle.Tensor) -> paddle.Tensor:
-        """``y = x @ W (+ b)`` through the device op when the ops table has it, else the reference."""
-        args = self.op_args(layer)
-        op = getattr(current_ops(), self.device_op, None) if self.device_op else None
-        if op is not None:
-            return op(x, *args, layer.bias)
-        return self.reference_op(x, *args, layer.bias)
+        """``y = x @ W (+ b)`` through the device op when the ops table has it, else the reference.
+
+        The storage arguments are collected once per layer and the op once per ops table:
+        a decode step calls this ~120 times and Paddle's layer attribute lookup is slow.
+        """
+        args = layer.__dict__.get("_quant_op_args")
+        if args is None:
+            args = (*self.op_args(layer), layer.bias)
+            layer.__dict__["_quant_op_args"] = args
+        ops = current_ops()
+        if ops is not self.__dict__.get("_ops"):
+            self.__dict__["_ops"] = ops
+            self.__dict__["_op"] = (getattr(ops, self.device_op, None) if self.device_op else None) or self.reference_op
+        return self._op(x, *args)
+
+    def process_weights_after_loading(self, layer) -> None:
+        """Forget cached op arguments (storage may have been replaced while loading)."""
+        layer.__dict__.pop("_quant_op_args", None)
 
     def storage_bytes(self, layer) -> int:
         """Bytes of the layer's weight storage (parameters and buffers)."""

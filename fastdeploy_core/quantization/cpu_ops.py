@@ -9,6 +9,7 @@ computes exactly its ``reference_op``; when the kernels cannot be built (see
 from __future__ import annotations
 
 import paddle
+from paddle import _C_ops
 
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.quantization.base import add_bias
@@ -17,38 +18,49 @@ from fastdeploy_core.quantization.kernels import load_kernels
 from fastdeploy_core.quantization.weight_only import int4_linear_reference, int8_linear_reference
 
 
+_run = _C_ops._run_custom_op  # the op must be registered: load_kernels() ran first (see _ready)
+
+
 class CpuQuantOps:
-    """Quantized linear ops backed by ``csrc/weight_only_gemm.cc`` (mixed into an ops table)."""
+    """Quantized linear ops backed by ``csrc/weight_only_gemm.cc`` (mixed into an ops table).
+
+    A decode step makes ~120 of these calls, so they go straight to ``_C_ops._run_custom_op``
+    (the generated Python wrapper adds a mode check and list handling to every call).
+    """
+
+    _kernels_checked = False
+    _have_kernels = False
+
+    def _ready(self) -> bool:
+        if not self._kernels_checked:
+            self._have_kernels = load_kernels() is not None
+            self._kernels_checked = True
+        return self._have_kernels
 
     def wint8_linear(self, x, weight, scale, group_size: int, bias=None) -> paddle.Tensor:
-        kernels = load_kernels()
-        if kernels is None:
+        if not (self._have_kernels or self._ready()):
             return int8_linear_reference(x, weight, scale, group_size, bias)
-        return add_bias(kernels.fd_int8_linear(x, weight, scale, int(group_size), False), bias)
+        return add_bias(_run("fd_int8_linear", x, weight, scale, group_size, False)[0], bias)
 
     def w8a8_linear(self, x, weight, scale, group_size: int, bias=None) -> paddle.Tensor:
-        kernels = load_kernels()
-        if kernels is None:
+        if not (self._have_kernels or self._ready()):
             return int8_linear_reference(x, weight, scale, group_size, bias, act_int8=True)
-        return add_bias(kernels.fd_int8_linear(x, weight, scale, int(group_size), True), bias)
+        return add_bias(_run("fd_int8_linear", x, weight, scale, group_size, True)[0], bias)
 
     def wint4_linear(self, x, weight, scale, offset, group_size: int, bias=None) -> paddle.Tensor:
-        kernels = load_kernels()
-        if kernels is None:
+        if not (self._have_kernels or self._ready()):
             return int4_linear_reference(x, weight, scale, offset, group_size, bias)
-        return add_bias(kernels.fd_int4_linear(x, weight, scale, offset, int(group_size), False), bias)
+        return add_bias(_run("fd_int4_linear", x, weight, scale, offset, group_size, False)[0], bias)
 
     def w4a8_linear(self, x, weight, scale, offset, group_size: int, bias=None) -> paddle.Tensor:
-        kernels = load_kernels()
-        if kernels is None:
+        if not (self._have_kernels or self._ready()):
             return int4_linear_reference(x, weight, scale, offset, group_size, bias, act_int8=True)
-        return add_bias(kernels.fd_int4_linear(x, weight, scale, offset, int(group_size), True), bias)
+        return add_bias(_run("fd_int4_linear", x, weight, scale, offset, group_size, True)[0], bias)
 
     def block_wise_fp8_linear(self, x, weight, scale, block_rows: int, bias=None) -> paddle.Tensor:
-        kernels = load_kernels()
-        if kernels is None:
+        if not (self._have_kernels or self._ready()):
             return fp8_linear_reference(x, weight, scale, block_rows, bias)
-        return add_bias(kernels.fd_fp8_linear(x, weight, scale, int(block_rows)), bias)
+        return add_bias(_run("fd_fp8_linear", x, weight, scale, block_rows)[0], bias)
 
 
 class CpuOps(CpuQuantOps, ReferenceOps):
