@@ -125,16 +125,21 @@ request_spec = st.tuples(
     max_num_seqs=st.integers(1, 6),
     policy=st.sampled_from(["fcfs", "priority"]),
     prefix=st.booleans(),
+    chunked=st.booleans(),
     seed=st.integers(0, 2**16),
     abort_prob=st.sampled_from([0.0, 0.1]),
 )
-def test_every_request_finishes_and_no_block_leaks(specs, block_size, budget, max_num_seqs, policy, prefix, seed, abort_prob):
+def test_every_request_finishes_and_no_block_leaks(
+    specs, block_size, budget, max_num_seqs, policy, prefix, chunked, seed, abort_prob
+):
     rng = random.Random(seed)
     max_len = max(p + m for p, m, _, _ in specs)
+    if not chunked:  # the config requires a budget that fits a whole max_model_len prompt
+        budget = max(budget, max_len)
     # just enough blocks for one longest sequence, sometimes a few more: forces preemption
     num_blocks = -(-max_len // block_size) + rng.randint(0, 4)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    sched = Scheduler(bm, max_num_seqs, budget, enable_chunked_prefill=True, policy=policy)
+    sched = Scheduler(bm, max_num_seqs, budget, enable_chunked_prefill=chunked, policy=policy)
     for i, (plen, mtok, family, prio) in enumerate(specs):
         prompt = [(family * 7 + j) % 11 + 1 for j in range(plen)]  # families share prefixes; no eos
         sched.add_request(make_request(f"r{i}", prompt, mtok, priority=prio))
