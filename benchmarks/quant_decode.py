@@ -7,7 +7,10 @@ Builds one model per method (the native Llama with the method's quantizer, the c
 ops table with the C++ kernels), prefills the SmolLM2 chat prompt and times ``--tokens``
 greedy decode steps over a paged KV cache. Methods are measured round-robin in one process
 so machine noise hits them alike; the best round per method is reported, with the ratio to
-float32 ("none"). Not part of the test suite.
+float32 ("none"). Besides wall-clock tok/s it reports the process CPU time per decode step:
+with ``OMP_NUM_THREADS=1 FD_QUANT_KERNEL_THREADS=1`` that is the work per token, a number a
+busy shared machine does not distort (wall time there is mostly waiting for a core).
+Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def main() -> None:
         blocks = -(-(len(prompt) + args.tokens + 1) // bs)
         caches = [(paddle.zeros([blocks, bs, kv_heads, head_dim]), paddle.zeros([blocks, bs, kv_heads, head_dim])) for _ in range(num_layers)]
         runs[method] = {"model": model, "caches": caches, "table": list(range(blocks)), "load_s": time.perf_counter() - t0,
-                        "weight_mib": weight_bytes(model) / 2**20, "decode": [], "prefill": [], "text": None}
+                        "weight_mib": weight_bytes(model) / 2**20, "decode": [], "prefill": [], "cpu_ms": [], "text": None}
 
     def run(entry):
         model, caches, table = entry["model"], entry["caches"], entry["table"]
@@ -91,10 +94,11 @@ def main() -> None:
         tokens = step([(prompt, 0, table)])
         prefill = time.perf_counter() - t
         out = [int(tokens[0])]
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         for i in range(args.tokens):
             tokens = step([([out[-1]], len(prompt) + i, table)])
             out.append(int(tokens[0]))
+        entry["cpu_ms"].append((time.process_time() - cpu) / args.tokens * 1e3)
         return prefill, args.tokens / (time.perf_counter() - t), out
 
     with paddle.no_grad():
@@ -108,8 +112,10 @@ def main() -> None:
                 entry["text"] = tokenizer.decode(out)
 
     base = max(runs["none"]["decode"]) if "none" in runs else None
+    base_cpu = min(runs["none"]["cpu_ms"]) if "none" in runs else None
     results = {}
-    print(f"{'method':<16}{'weights MiB':>12}{'prefill ms':>12}{'decode tok/s':>14}{'vs fp32':>9}  first tokens")
+    print(f"threads: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} FD_QUANT_KERNEL_THREADS={os.environ.get('FD_QUANT_KERNEL_THREADS', '-')}")
+    print(f"{'method':<16}{'weights MiB':>12}{'prefill ms':>12}{'decode tok/s':>14}{'vs fp32':>9}{'CPU ms/tok':>12}{'vs fp32':>9}  first tokens")
     for method, entry in runs.items():
         best = max(entry["decode"])
         results[method] = {
@@ -118,10 +124,15 @@ def main() -> None:
             "decode_tok_s": round(best, 1),
             "decode_runs": [round(x, 1) for x in entry["decode"]],
             "vs_float32": round(best / base, 2) if base else None,
+            "cpu_ms_per_token": round(min(entry["cpu_ms"]), 2),
+            "cpu_vs_float32": round(base_cpu / min(entry["cpu_ms"]), 2) if base_cpu else None,
             "text": entry["text"][:60],
         }
         r = results[method]
-        print(f"{method:<16}{r['weight_mib']:>12}{r['prefill_ms']:>12}{r['decode_tok_s']:>14}{str(r['vs_float32']):>9}  {r['text']!r}")
+        print(
+            f"{method:<16}{r['weight_mib']:>12}{r['prefill_ms']:>12}{r['decode_tok_s']:>14}{str(r['vs_float32']):>9}"
+            f"{r['cpu_ms_per_token']:>12}{str(r['cpu_vs_float32']):>9}  {r['text']!r}"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -231,6 +231,11 @@ void tile(const Problem& p, int64_t m, int64_t n0) {
     f32x16 acc[ROWS][2];
     for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = f32x16{};
     const int64_t k_begin = g * p.group, k_end = std::min(K, k_begin + p.group);
+    // With few rows the multiply-adds of consecutive k would form one dependency chain per
+    // accumulator (4-cycle FMA latency); a second accumulator set lets two k run at once.
+    constexpr bool kTwoChains = ROWS <= 2;
+    f32x16 acc2[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) acc2[r][0] = acc2[r][1] = f32x16{};
     if constexpr (KIND == Kind::kInt4) {
       for (int64_t k = k_begin; k < k_end; k += 2) {
         const uint8_t* row = p.w + (k / 2) * N + n0;
@@ -241,12 +246,42 @@ void tile(const Problem& p, int64_t m, int64_t n0) {
           const float xa = x[r * K + k], xb = x[r * K + k + 1];
           acc[r][0] += xa * lo0;
           acc[r][1] += xa * lo1;
-          acc[r][0] += xb * hi0;
-          acc[r][1] += xb * hi1;
+          if constexpr (kTwoChains) {
+            acc2[r][0] += xb * hi0;
+            acc2[r][1] += xb * hi1;
+          } else {
+            acc[r][0] += xb * hi0;
+            acc[r][1] += xb * hi1;
+          }
         }
       }
     } else {
-      for (int64_t k = k_begin; k < k_end; ++k) {
+      int64_t k = k_begin;
+      if constexpr (kTwoChains) {
+        for (; k + 1 < k_end; k += 2) {
+          const uint8_t* row = p.w + k * N + n0;
+          f32x16 w0, w1, v0, v1;
+          if constexpr (KIND == Kind::kInt8) {
+            w0 = widen_i8(row);
+            w1 = widen_i8(row + 16);
+            v0 = widen_i8(row + N);
+            v1 = widen_i8(row + N + 16);
+          } else {
+            w0 = widen_fp8(row);
+            w1 = widen_fp8(row + 16);
+            v0 = widen_fp8(row + N);
+            v1 = widen_fp8(row + N + 16);
+          }
+          for (int r = 0; r < ROWS; ++r) {
+            const float xa = x[r * K + k], xb = x[r * K + k + 1];
+            acc[r][0] += xa * w0;
+            acc[r][1] += xa * w1;
+            acc2[r][0] += xb * v0;
+            acc2[r][1] += xb * v1;
+          }
+        }
+      }
+      for (; k < k_end; ++k) {
         const uint8_t* row = p.w + k * N + n0;
         f32x16 w0, w1;
         if constexpr (KIND == Kind::kInt8) {
@@ -261,6 +296,12 @@ void tile(const Problem& p, int64_t m, int64_t n0) {
           acc[r][0] += xv * w0;
           acc[r][1] += xv * w1;
         }
+      }
+    }
+    if constexpr (kTwoChains) {
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][0] += acc2[r][0];
+        acc[r][1] += acc2[r][1];
       }
     }
     const f32x16 s0 = load_f32(p.scale + g * N + n0), s1 = load_f32(p.scale + g * N + n0 + 16);
