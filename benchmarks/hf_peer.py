@@ -82,7 +82,12 @@ def main() -> None:
     t0 = time.perf_counter()
     model = load_model(args.model)
     vocab = model.config.vocab_size
-    results = {"load_s": time.perf_counter() - t0, "torch": torch.__version__, "threads": torch.get_num_threads(), "runs": []}
+    results = {
+        "load_s": time.perf_counter() - t0,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "runs": [],
+    }
     for batch in args.batch_size or [1, 16]:
         runs = []
         for i in range(args.num_iters_warmup + args.num_iters):

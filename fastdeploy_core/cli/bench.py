@@ -17,11 +17,10 @@ import json
 import os
 import statistics
 import time
-from typing import Optional
 
 import typer
 
-from fastdeploy_core.cli.generate import ENGINE_FLAGS_HELP, _PASS_THROUGH, engine_args_from_extra
+from fastdeploy_core.cli.generate import _PASS_THROUGH, ENGINE_FLAGS_HELP, engine_args_from_extra
 from fastdeploy_core.errors import FastDeployError
 
 bench_app = typer.Typer(help="Offline engine benchmarks (latency, throughput).", no_args_is_help=True)
@@ -78,13 +77,17 @@ def _engine(ctx: typer.Context):
     return LLMEngine(engine_args_from_extra(ctx.args))
 
 
-def _write_json(path: Optional[str], data: dict) -> None:
+def _write_json(path: str | None, data: dict) -> None:
     if path:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
 
 
-@bench_app.command("latency", context_settings=_PASS_THROUGH, help="Latency of one batch: prefill and decode speed. " + ENGINE_FLAGS_HELP)
+@bench_app.command(
+    "latency",
+    context_settings=_PASS_THROUGH,
+    help="Latency of one batch: prefill and decode speed. " + ENGINE_FLAGS_HELP,
+)
 def latency_command(
     ctx: typer.Context,
     input_len: int = typer.Option(32, "--input-len", help="Prompt tokens per request."),
@@ -93,7 +96,7 @@ def latency_command(
     num_iters_warmup: int = typer.Option(1, "--num-iters-warmup", help="Untimed iterations first."),
     num_iters: int = typer.Option(3, "--num-iters", help="Timed iterations."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
-    output_json: Optional[str] = typer.Option(None, "--output-json", help="Also write the results here."),
+    output_json: str | None = typer.Option(None, "--output-json", help="Also write the results here."),
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     try:
@@ -130,7 +133,9 @@ def latency_command(
     _write_json(output_json, summary)
 
 
-@bench_app.command("throughput", context_settings=_PASS_THROUGH, help="Offline throughput of many requests. " + ENGINE_FLAGS_HELP)
+@bench_app.command(
+    "throughput", context_settings=_PASS_THROUGH, help="Offline throughput of many requests. " + ENGINE_FLAGS_HELP
+)
 def throughput_command(
     ctx: typer.Context,
     input_len: int = typer.Option(32, "--input-len", help="Prompt tokens per request."),
@@ -138,7 +143,7 @@ def throughput_command(
     num_prompts: int = typer.Option(64, "--num-prompts", help="Requests submitted at once."),
     dataset_name: str = typer.Option("random", "--dataset-name", help="Only `random` (random token ids)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
-    output_json: Optional[str] = typer.Option(None, "--output-json", help="Also write the results here."),
+    output_json: str | None = typer.Option(None, "--output-json", help="Also write the results here."),
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     if dataset_name != "random":

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Optional
 
 import typer
 
@@ -73,7 +72,7 @@ def _sampling(max_tokens, temperature, top_p, top_k, seed, stop, n=1, ignore_eos
         top_p=top_p,
         top_k=top_k,
         seed=seed,
-        stop=list(stop) or None,
+        stop=list(stop or []) or None,
         n=n,
         ignore_eos=ignore_eos,
     )
@@ -86,16 +85,18 @@ def _fail(exc: FastDeployError) -> None:
 
 def generate_command(
     ctx: typer.Context,
-    prompt: Optional[str] = typer.Argument(None, help="The prompt (engine flags go after it)."),
-    prompts_file: Optional[str] = typer.Option(None, "--prompts-file", help="One prompt per line ('-' = stdin), run as a batch."),
+    prompt: str | None = typer.Argument(None, help="The prompt (engine flags go after it)."),
+    prompts_file: str | None = typer.Option(
+        None, "--prompts-file", help="One prompt per line ('-' = stdin), run as a batch."
+    ),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is instead of as a chat user message."),
-    system: Optional[str] = typer.Option(None, "--system", help="System message for chat prompts."),
+    system: str | None = typer.Option(None, "--system", help="System message for chat prompts."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    top_p: Optional[float] = typer.Option(None, "--top-p"),
-    top_k: Optional[int] = typer.Option(None, "--top-k"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Per-request sampling seed."),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    top_p: float | None = typer.Option(None, "--top-p"),
+    top_k: int | None = typer.Option(None, "--top-k"),
+    seed: int | None = typer.Option(None, "--seed", help="Per-request sampling seed."),
+    stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),  # noqa: B008
     n: int = typer.Option(1, "--n", help="Completions per prompt."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
@@ -107,9 +108,10 @@ def generate_command(
         extra.insert(0, prompt)
         prompt = None
     prompts = [prompt] if prompt is not None else []
-    if prompts_file:
-        fh = sys.stdin if prompts_file == "-" else open(prompts_file, encoding="utf-8")
-        with fh:
+    if prompts_file == "-":
+        prompts += [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    elif prompts_file:
+        with open(prompts_file, encoding="utf-8") as fh:
             prompts += [line.rstrip("\n") for line in fh if line.strip()]
     if not prompts:
         typer.echo("error: give a prompt or --prompts-file", err=True)
@@ -123,7 +125,10 @@ def generate_command(
         if raw:
             outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
         else:
-            convs = [([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": p}] for p in prompts]
+            convs = [
+                ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": p}]
+                for p in prompts
+            ]
             outputs = llm.chat(convs, params, use_tqdm=len(prompts) > 1)
     except FastDeployError as exc:
         _fail(exc)
@@ -134,7 +139,12 @@ def generate_command(
                     {
                         "prompt": prompt,
                         "outputs": [
-                            {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                            {
+                                "index": c.index,
+                                "text": c.text,
+                                "token_ids": c.token_ids,
+                                "finish_reason": c.finish_reason,
+                            }
                             for c in out.outputs
                         ],
                         "num_prompt_tokens": len(out.prompt_token_ids),
@@ -150,12 +160,12 @@ def generate_command(
 
 def chat_command(
     ctx: typer.Context,
-    system: Optional[str] = typer.Option(None, "--system", help="System message."),
+    system: str | None = typer.Option(None, "--system", help="System message."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens per answer."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    top_p: Optional[float] = typer.Option(None, "--top-p"),
-    top_k: Optional[int] = typer.Option(None, "--top-k"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    top_p: float | None = typer.Option(None, "--top-p"),
+    top_k: int | None = typer.Option(None, "--top-k"),
+    seed: int | None = typer.Option(None, "--seed"),
 ) -> None:
     """Interactive chat in the terminal; answers stream as they are generated.
 
@@ -204,7 +214,9 @@ def chat_command(
 def stream_answer(llm, messages: list[dict], params) -> str:
     """Generate one chat answer, printing text deltas as they arrive; returns the full text."""
     engine = llm.engine
-    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=llm.engine_args.model.chat_template)
+    prompt = llm.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, chat_template=llm.engine_args.model.chat_template
+    )
     rid = engine.add_request(prompt, params)
     text = ""
     try:
@@ -230,4 +242,6 @@ def register(app: typer.Typer) -> None:
     app.command("generate", context_settings=_PASS_THROUGH, help="Generate completions offline. " + ENGINE_FLAGS_HELP)(
         generate_command
     )
-    app.command("chat", context_settings=_PASS_THROUGH, help="Interactive terminal chat. " + ENGINE_FLAGS_HELP)(chat_command)
+    app.command("chat", context_settings=_PASS_THROUGH, help="Interactive terminal chat. " + ENGINE_FLAGS_HELP)(
+        chat_command
+    )

@@ -209,6 +209,8 @@ class BlockManager:
             assert block.ref_count == expected[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count}, held {expected[block.block_id]} times"
             )
-            assert (block.ref_count == 0) == (block.block_id in self._free), f"block {block.block_id} free-list mismatch"
+            assert (block.ref_count == 0) == (block.block_id in self._free), (
+                f"block {block.block_id} free-list mismatch"
+            )
         for h, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == h, f"cache map points to block {block_id} with another hash"

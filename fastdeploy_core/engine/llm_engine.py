@@ -29,7 +29,7 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, **kwargs) -> "LLMEngine":
+    def from_engine_args(cls, **kwargs) -> LLMEngine:
         """Build from flat engine arguments (``model=..., max_num_seqs=...``)."""
         return cls(EngineArgs.create(**kwargs))
 

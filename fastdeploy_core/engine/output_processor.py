@@ -159,7 +159,9 @@ class OutputProcessor:
         """Start tracking a request. Also fills ``sampling_params.bad_words_token_ids``
         (see :meth:`prepare_sampling_params`), so call it before sending the request to the core."""
         if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use; use a unique id", param="request_id")
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already in use; use a unique id", param="request_id"
+            )
         self.prepare_sampling_params(sampling_params)
         choices = [
             _Choice(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params.skip_special_tokens))
@@ -258,7 +260,11 @@ class OutputProcessor:
             holdback = max(len(s) for s in params.stop) - 1
         completions = []
         for choice in state.choices:
-            upto = len(choice.text) if choice.finish_reason is not None else max(choice.sent_text, len(choice.text) - holdback)
+            upto = (
+                len(choice.text)
+                if choice.finish_reason is not None
+                else max(choice.sent_text, len(choice.text) - holdback)
+            )
             delta_text = choice.text[choice.sent_text : upto]
             choice.sent_text = max(choice.sent_text, upto)
             delta_ids = choice.token_ids[choice.sent_tokens :]

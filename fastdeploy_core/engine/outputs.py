@@ -37,7 +37,7 @@ class EngineCoreRequest:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "EngineCoreRequest":
+    def from_dict(cls, data: dict[str, Any]) -> EngineCoreRequest:
         from fastdeploy_core.engine.sampling_params import SamplingParams
 
         data = dict(data)
@@ -69,7 +69,7 @@ class EngineCoreOutput:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "EngineCoreOutput":
+    def from_dict(cls, data: dict[str, Any]) -> EngineCoreOutput:
         return cls(**data)
 
 

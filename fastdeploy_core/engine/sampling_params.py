@@ -12,6 +12,7 @@ set to the field and a message giving the allowed range.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,15 +89,13 @@ class SamplingParams:
         """Raise InvalidRequestError naming the first out-of-range field."""
 
         def bad(name: str, rule: str) -> InvalidRequestError:
-            return InvalidRequestError(
-                f"{name}: got {getattr(self, name)!r}; {rule}", param=name
-            )
+            return InvalidRequestError(f"{name}: got {getattr(self, name)!r}; {rule}", param=name)
 
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
 
         if not is_int(self.n) or not 1 <= self.n <= 128:
             raise bad("n", "must be an integer in [1, 128]")
@@ -155,7 +154,7 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.resolved("temperature") < 1e-5
 
-    def with_generation_config_defaults(self, generation_config: dict | None) -> "SamplingParams":
+    def with_generation_config_defaults(self, generation_config: dict | None) -> SamplingParams:
         """A copy whose unset fields take the model's ``generation_config.json`` values.
 
         With ``do_sample: false`` in the config, an unset temperature becomes 0 (greedy).
@@ -173,7 +172,7 @@ class SamplingParams:
         copy._from_generation_config = sorted(updates)
         return copy
 
-    def child(self, index: int) -> "SamplingParams":
+    def child(self, index: int) -> SamplingParams:
         """The params of choice ``index`` of an ``n > 1`` request: n=1, seed + index."""
         seed = None if self.seed is None else (self.seed + index) % 2**64
         return dataclasses.replace(self, n=1, seed=seed)
@@ -184,7 +183,7 @@ class SamplingParams:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         """Inverse of :meth:`to_dict`; unknown keys raise InvalidRequestError."""
         known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
         unknown = sorted(set(data) - known)

@@ -202,7 +202,9 @@ class Scheduler:
         req.finish_time = now or time.time()
         self.requests.pop(req.request_id, None)
 
-    def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+    def finish_requests(
+        self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> list[Request]:
         """End requests from outside (abort, stop string); their blocks are free on return."""
         done = []
         for request_id in request_ids:

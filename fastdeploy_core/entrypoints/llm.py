@@ -18,14 +18,14 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-from collections.abc import Sequence  # noqa: E402
-from typing import Any  # noqa: E402
+from collections.abc import Sequence
+from typing import Any
 
-from fastdeploy_core.config import EngineArgs  # noqa: E402
-from fastdeploy_core.engine.llm_engine import LLMEngine  # noqa: E402
-from fastdeploy_core.engine.outputs import RequestOutput  # noqa: E402
-from fastdeploy_core.engine.sampling_params import SamplingParams  # noqa: E402
-from fastdeploy_core.errors import InvalidRequestError  # noqa: E402
+from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.engine.llm_engine import LLMEngine
+from fastdeploy_core.engine.outputs import RequestOutput
+from fastdeploy_core.engine.sampling_params import SamplingParams
+from fastdeploy_core.errors import InvalidRequestError
 
 PromptType = str | list[int] | dict
 
@@ -38,7 +38,7 @@ class LLM:
         self.engine = LLMEngine(self.engine_args)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
         """Build from an already validated :class:`EngineArgs` (the CLI's path)."""
         llm = cls.__new__(cls)
         llm.engine_args = args
@@ -59,9 +59,13 @@ class LLM:
     # ---- generate --------------------------------------------------------------------------
     @staticmethod
     def _normalize_prompts(prompts) -> list[PromptType]:
-        if isinstance(prompts, str) or isinstance(prompts, dict):
+        if isinstance(prompts, (str, dict)):
             return [prompts]
-        if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        if (
+            isinstance(prompts, Sequence)
+            and prompts
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+        ):
             return [list(prompts)]  # one prompt of token ids
         if isinstance(prompts, Sequence):
             return list(prompts)
@@ -152,7 +156,10 @@ class LLM:
         template = chat_template or self.engine_args.model.chat_template
         prompts = [
             self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, chat_template=template, **(chat_template_kwargs or {})
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=template,
+                **(chat_template_kwargs or {}),
             )
             for conv in conversations
         ]

@@ -25,16 +25,15 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import numpy as np  # noqa: E402
-import paddle  # noqa: E402
+import numpy as np
+import paddle
 
-from fastdeploy_core.config import EngineArgs  # noqa: E402
-from fastdeploy_core.devices.current import set_current_ops  # noqa: E402
-from fastdeploy_core.engine.request import Request  # noqa: E402
-from fastdeploy_core.engine.scheduler import SchedulerOutput  # noqa: E402
-from fastdeploy_core.errors import ConfigError, ModelLoadError, OutOfKVCacheError  # noqa: E402
-from fastdeploy_core.executor.forward_meta import ForwardMeta  # noqa: E402
-from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs  # noqa: E402
+from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.devices.current import set_current_ops
+from fastdeploy_core.engine.scheduler import SchedulerOutput
+from fastdeploy_core.errors import ConfigError, ModelLoadError, OutOfKVCacheError
+from fastdeploy_core.executor.forward_meta import ForwardMeta
+from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +137,9 @@ class ModelRunner:
         inter = int(cfg.get("intermediate_size", 0))
         heads = int(cfg.get("num_attention_heads", 1))
         tokens = self.max_num_batched_tokens
-        context = min(self.max_model_len, tokens + self.block_size) if tokens < self.max_model_len else self.max_model_len
+        context = (
+            min(self.max_model_len, tokens + self.block_size) if tokens < self.max_model_len else self.max_model_len
+        )
         per_token = 8 * hidden + 4 * inter  # residual, norms, qkv, attention out; gate/up/act
         scores = 3 * heads * tokens * context  # scores, mask, probs of the reference attention
         logits = 2 * self.args.scheduler.max_num_seqs * self.vocab_size
@@ -172,7 +173,13 @@ class ModelRunner:
                 "--gpu-memory-utilization or --num-gpu-blocks-override, or lower --max-num-batched-tokens",
                 param="max_model_len",
             )
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), %s", num_blocks, self.block_size, num_blocks * per_block / _MiB, how)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB), %s",
+            num_blocks,
+            self.block_size,
+            num_blocks * per_block / _MiB,
+            how,
+        )
         return int(num_blocks)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[paddle.Tensor, paddle.Tensor]]:

@@ -101,9 +101,9 @@ class Sampler:
             out = req.output_token_ids
             for seq in sp.bad_words_token_ids:
                 prefix = seq[:-1]
-                if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix):
-                    if seq[-1] < vocab:
-                        x[seq[-1]] = -np.inf
+                prefix_matches = not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix)
+                if prefix_matches and seq[-1] < vocab:
+                    x[seq[-1]] = -np.inf
         if req.num_output_tokens < sp.min_tokens:
             for tok in req.eos_token_ids:
                 if tok < vocab:

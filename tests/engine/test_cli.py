@@ -18,8 +18,15 @@ SMALL = ["--max-model-len", "256", "--num-gpu-blocks-override", "8"]
 
 
 def test_engine_flags_parse_like_serve():
-    flags = parse_engine_flags(["--max-num-seqs", "8", "--no-enable-prefix-caching", "--block-size=32", "--enable-chunked-prefill"])
-    assert flags == {"max_num_seqs": "8", "enable_prefix_caching": "false", "block_size": "32", "enable_chunked_prefill": "true"}
+    flags = parse_engine_flags(
+        ["--max-num-seqs", "8", "--no-enable-prefix-caching", "--block-size=32", "--enable-chunked-prefill"]
+    )
+    assert flags == {
+        "max_num_seqs": "8",
+        "enable_prefix_caching": "false",
+        "block_size": "32",
+        "enable_chunked_prefill": "true",
+    }
     with pytest.raises(ConfigError, match="--bogus: unknown flag"):
         parse_engine_flags(["--bogus", "1"])
     with pytest.raises(ConfigError, match="unexpected argument"):
@@ -45,7 +52,9 @@ def test_generate_and_chat_commands(app):
     result = runner.invoke(app, ["generate", "What is the capital of France?", "--max-tokens", "16", *SMALL])
     assert result.exit_code == 0, result.output
     assert "The capital of France is Paris." in result.stdout
-    result = runner.invoke(app, ["chat", "--max-tokens", "16", *SMALL], input="What is the capital of France?\n/reset\n/exit\n")
+    result = runner.invoke(
+        app, ["chat", "--max-tokens", "16", *SMALL], input="What is the capital of France?\n/reset\n/exit\n"
+    )
     assert result.exit_code == 0, result.output
     assert "Paris" in result.stdout and "(conversation cleared)" in result.stdout
     result = runner.invoke(app, ["generate", "hi", "--max-num-seqs", "zero"])
@@ -56,12 +65,27 @@ def test_generate_and_chat_commands(app):
 def test_bench_commands_report_speeds(app, tmp_path):
     runner = CliRunner()
     out = tmp_path / "lat.json"
-    args = ["bench", "latency", "--input-len", "8", "--output-len", "4", "--batch-size", "2", "--num-iters-warmup", "0", "--num-iters", "1"]
+    args = [
+        "bench",
+        "latency",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--batch-size",
+        "2",
+        "--num-iters-warmup",
+        "0",
+        "--num-iters",
+        "1",
+    ]
     result = runner.invoke(app, [*args, *SMALL, "--output-json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["batch_size"] == 2 and data["prefill_tok_s"] > 0 and data["decode_tok_s"] > 0
     assert data["engine"]["num_gpu_blocks"] == 8
-    result = runner.invoke(app, ["bench", "throughput", "--input-len", "8", "--output-len", "4", "--num-prompts", "3", *SMALL])
+    result = runner.invoke(
+        app, ["bench", "throughput", "--input-len", "8", "--output-len", "4", "--num-prompts", "3", *SMALL]
+    )
     assert result.exit_code == 0, result.output
     assert "requests/s" in result.stdout

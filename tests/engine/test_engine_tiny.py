@@ -41,25 +41,25 @@ PROMPTS = [
 
 CONFIGS = {
     # GQA, llama3 rope scaling, untied head
-    "gqa_llama3_untied": dict(
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        rope_scaling={
+    "gqa_llama3_untied": {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
             "rope_type": "llama3",
             "factor": 4.0,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32,
         },
-    ),
+    },
     # MHA, linear rope scaling, tied embeddings
-    "mha_linear_tied": dict(
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        tie_word_embeddings=True,
-        rope_scaling={"rope_type": "linear", "factor": 2.0},
-    ),
+    "mha_linear_tied": {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": True,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    },
 }
 
 
@@ -107,7 +107,7 @@ def gqa_model(tmp_path_factory):
 
 
 def make_core(path: str, **kw) -> EngineCore:
-    settings = dict(model=path, max_model_len=128, block_size=4, num_gpu_blocks_override=256)
+    settings = {"model": path, "max_model_len": 128, "block_size": 4, "num_gpu_blocks_override": 256}
     settings.update(kw)
     return EngineCore(EngineArgs.create(**settings))
 
@@ -149,10 +149,10 @@ def test_greedy_alone_matches_transformers(tiny):
 @pytest.mark.parametrize(
     "settings",
     [
-        dict(),  # all batched together
-        dict(max_num_batched_tokens=5),  # chunked prefill in small pieces
-        dict(enable_chunked_prefill=False, max_num_batched_tokens=128),
-        dict(enable_prefix_caching=False, max_num_seqs=2),
+        {},  # all batched together
+        {"max_num_batched_tokens": 5},  # chunked prefill in small pieces
+        {"enable_chunked_prefill": False, "max_num_batched_tokens": 128},
+        {"enable_prefix_caching": False, "max_num_seqs": 2},
     ],
     ids=["batched", "chunked", "no_chunking", "no_prefix_cache_2_seqs"],
 )
@@ -235,7 +235,19 @@ def test_seed_same_tokens_alone_and_batched(gqa_model):
     noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
     outs = run(core, [("x", PROMPTS[1], noise), ("b", PROMPTS[0], sampled), ("y", PROMPTS[3], greedy())])
     assert tokens(outs, "b") == alone
-    other = tokens(run(core, [("c", PROMPTS[0], SamplingParams(temperature=1.5, top_k=50, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True))]), "c")
+    other = tokens(
+        run(
+            core,
+            [
+                (
+                    "c",
+                    PROMPTS[0],
+                    SamplingParams(temperature=1.5, top_k=50, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True),
+                )
+            ],
+        ),
+        "c",
+    )
     assert other != alone
 
 
@@ -265,7 +277,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(gqa_model):
         row = ref[len(prompt) - 1 + k]
         assert next(iter(lp)) == got[k]  # the sampled token comes first
         top = list(np.argsort(-row)[:3])
-        assert list(lp)[: 1] == [top[0]] and set(top) <= set(lp)  # greedy: sampled is rank 1
+        assert list(lp)[:1] == [top[0]] and set(top) <= set(lp)  # greedy: sampled is rank 1
         for tok, value in lp.items():
             assert abs(value - row[tok]) < 1e-3
     prompt_lps = outs[("lp", 0)][0].prompt_logprobs
@@ -296,7 +308,11 @@ def test_bad_input_is_typed_and_engine_keeps_serving(gqa_model):
     core = make_core(path)
     cases = [
         (lambda: core.add_request(EngineCoreRequest("e", [], greedy())), InvalidRequestError, "empty"),
-        (lambda: core.add_request(EngineCoreRequest("l", [1] * 128, greedy())), ContextLengthExceededError, "--max-model-len"),
+        (
+            lambda: core.add_request(EngineCoreRequest("l", [1] * 128, greedy())),
+            ContextLengthExceededError,
+            "--max-model-len",
+        ),
         (lambda: core.add_request(EngineCoreRequest("v", [1, 500], greedy())), InvalidRequestError, "vocabulary"),
         (lambda: SamplingParams(max_tokens=0), InvalidRequestError, "max_tokens"),
         (lambda: SamplingParams(temperature=-1), InvalidRequestError, "temperature"),

@@ -49,7 +49,9 @@ def test_stop_strings_and_deltas(tokens, stops, include):
     deltas, aborted, final = [], [], None
     for k, tok in enumerate(tokens):
         last = k == len(tokens) - 1
-        res = proc.process_outputs([EngineCoreOutput("r", 0, [tok], finished=last, finish_reason="length" if last else None)])
+        res = proc.process_outputs(
+            [EngineCoreOutput("r", 0, [tok], finished=last, finish_reason="length" if last else None)]
+        )
         aborted += res.reqs_to_abort
         for out in res.request_outputs:
             deltas.append(out.outputs[0].delta_text)

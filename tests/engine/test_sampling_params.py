@@ -23,7 +23,13 @@ from fastdeploy_core.executor.sampler import Sampler
 def test_generation_config_fills_only_unset_fields():
     gen = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 77}
     filled = SamplingParams(top_p=0.5).with_generation_config_defaults(gen)
-    assert (filled.temperature, filled.top_p, filled.top_k, filled.repetition_penalty, filled.max_tokens) == (0.6, 0.5, 20, 1.1, 77)
+    assert (filled.temperature, filled.top_p, filled.top_k, filled.repetition_penalty, filled.max_tokens) == (
+        0.6,
+        0.5,
+        20,
+        1.1,
+        77,
+    )
     assert SamplingParams().with_generation_config_defaults({"do_sample": False}).is_greedy
     plain = SamplingParams()
     assert plain.with_generation_config_defaults({}) is plain
@@ -49,7 +55,7 @@ def test_outputs_read_fastdeploy_style():
     outs = CompletionOutputs([CompletionOutput(0, "a", [1], finish_reason="stop"), CompletionOutput(1, "b", [2])])
     assert outs.text == "a" and outs.finish_reason == "stop" and outs[1].text == "b" and len(outs) == 2
     with pytest.raises(AttributeError):
-        CompletionOutputs([]).text
+        _ = CompletionOutputs([]).text
 
 
 def _req(params: SamplingParams, output=(), seed=None) -> Request:
@@ -66,7 +72,9 @@ def test_sampler_filters():
     for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, min_p=0.9)):
         assert all(Sampler()(logits, [_req(params, seed=s)]).token_ids == [1] for s in range(20))
     # top_p=0.6 keeps tokens 1 and 2 only
-    seen = {Sampler()(logits, [_req(SamplingParams(temperature=1.0, top_p=0.6), seed=s)]).token_ids[0] for s in range(60)}
+    seen = {
+        Sampler()(logits, [_req(SamplingParams(temperature=1.0, top_p=0.6), seed=s)]).token_ids[0] for s in range(60)
+    }
     assert seen == {1, 2}
     # min_tokens masks eos (token 0) even when it is the best token
     eos_best = np.array([[5.0, 1.0, 0.0, 0.0, 0.0]], dtype=np.float32)
