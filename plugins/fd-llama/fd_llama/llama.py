@@ -7,6 +7,7 @@ HF names and are routed to the fused parameters by :attr:`LlamaForCausalLM.packe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import numpy as np
@@ -21,6 +22,8 @@ from fastdeploy_core.layers.embedding import LMHead, VocabEmbedding
 from fastdeploy_core.layers.linear import Linear, LinearMethodBase, MergedColumnLinear, QKVLinear
 from fastdeploy_core.layers.norm import RMSNorm
 from fastdeploy_core.layers.rotary import get_rope, rope_settings
+
+logger = logging.getLogger(__name__)
 
 
 class _Dims:
@@ -44,6 +47,14 @@ class _Dims:
         self.hidden_act = cfg.get("hidden_act", "silu")
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.rope_theta, self.rope_scaling = rope_settings(cfg)
+        window = cfg.get("sliding_window")
+        if window and int(window) < self.max_positions:
+            # Mistral v0.1 style: attention is full here, which is exact only up to the window.
+            logger.warning(
+                "config sets sliding_window=%s; this implementation attends over the full context, which "
+                "matches the checkpoint only for sequences of at most %s tokens (use --max-model-len %s)",
+                window, window, window,
+            )
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
