@@ -83,3 +83,14 @@ def test_n_choices_finish_independently_and_eos_is_hidden():
     assert out.metrics.num_generated_tokens == 4 and out.metrics.finish_time is not None
     # aborting an unknown or finished request is harmless
     assert proc.abort_request("p") is None
+
+
+def test_abort_ends_unfinished_choices_with_abort():
+    proc = OutputProcessor(ToyTokenizer())
+    proc.add_request("q", None, [1], SamplingParams(n=2, temperature=1.0))
+    proc.process_outputs(
+        [EngineCoreOutput("q", 0, [0], finished=True, finish_reason="length"), EngineCoreOutput("q", 1, [1])]
+    )
+    out = proc.abort_request("q")
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["length", "abort"]
+    assert out.outputs[1].text == "b" and not proc.has_unfinished_requests()
