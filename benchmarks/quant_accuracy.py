@@ -37,6 +37,8 @@ METHODS = {
     "float32": None,
     "wint8": "wint8",
     "wint4": "wint4",
+    "wint4_g128": '{"quantization": "wint4", "group_size": 128}',
+    "wint8_float_head": '{"quantization": "wint8", "lm_head_quant_type": null}',
     "w8a8": "w8a8",
     "w4a8": "w4a8",
     "block_wise_fp8": "block_wise_fp8",

@@ -6,7 +6,9 @@ For each shape (the default model's projections and its LM head) and row count, 
 float32 matmul, the int8 / int4 (groups of 32, GGUF Q4-style) / fp8 kernels and the plain-Paddle
 reference path of int8. "cold": a rotation of weight copies larger than the L3 cache, so every
 call streams its weights from DRAM as a decode step does; "hot": one weight, cache-resident.
-All variants run interleaved, best of ``--repeats`` rounds. Not part of the test suite.
+All variants run interleaved, best of ``--repeats`` rounds. ``--cpu-time`` measures the calling
+thread's CPU time instead of wall time and forces one thread everywhere: the work per call, which a
+busy shared machine does not distort. Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,37")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--l3-bytes", type=float, default=32e6)
+    parser.add_argument("--cpu-time", action="store_true", help="thread CPU time, one thread")
     args = parser.parse_args()
+    if args.cpu_time:
+        os.environ["OMP_NUM_THREADS"] = os.environ["FD_QUANT_KERNEL_THREADS"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "2")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
 
     import numpy as np
     import paddle
@@ -35,7 +41,8 @@ def main() -> None:
     assert k is not None, "kernels did not build"
     rng = np.random.default_rng(0)
     shapes = [(576, 1536), (1536, 576), (576, 960), (576, 49152)]
-    print(f"threads={os.environ['OMP_NUM_THREADS']}  times in microseconds per call (best of {args.repeats})")
+    what = "thread CPU" if args.cpu_time else "wall"
+    print(f"threads={os.environ['OMP_NUM_THREADS']}  {what} microseconds per call (best of {args.repeats})")
     print(f"{'K x N':<12}{'M':>4}{'mode':>6}{'fp32':>9}{'int8':>9}{'int4':>9}{'fp8':>9}{'int8 ref':>10}{'int8 x':>8}{'int4 x':>8}")
     for K, N in shapes:
         w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
@@ -60,10 +67,10 @@ def main() -> None:
                 for _ in range(args.repeats):
                     for name, fn in variants.items():
                         fn(0)
-                        t = time.perf_counter()
+                        t = clock()
                         for c in range(calls):
                             fn(c % n_weights)
-                        best[name] = min(best[name], (time.perf_counter() - t) / calls * 1e6)
+                        best[name] = min(best[name], (clock() - t) / calls * 1e6)
                 print(
                     f"{K}x{N:<7}{M:>4}{mode:>6}" + "".join(f"{best[n]:>9.0f}" for n in ("fp32", "int8", "int4", "fp8"))
                     + f"{best['int8 ref']:>10.0f}{best['fp32'] / best['int8']:>8.2f}{best['fp32'] / best['int4']:>8.2f}"

@@ -319,3 +319,38 @@ def test_cpu_device_runs_the_kernels():
     ops = CpuDevice.make_ops()
     assert isinstance(ops, CpuOps) and isinstance(ops, ReferenceOps)
     assert {"wint8", "wint4", "w8a8", "w4a8", "block_wise_fp8"} <= set(CpuDevice.quantization_methods)
+
+
+def test_without_kernels_the_cpu_ops_run_the_reference_formula():
+    """FD_DISABLE_QUANT_KERNELS (or a failed build) falls back to plain Paddle, and says why once."""
+    from tests.core.fake_dists import run_python
+
+    code = """
+import logging, numpy as np, paddle
+logging.basicConfig(level=logging.WARNING)
+from fastdeploy_core.devices.current import set_current_ops
+from fastdeploy_core.layers.linear import Linear
+from fastdeploy_core.quantization.cpu_ops import CpuOps
+from fastdeploy_core.quantization.kernels import kernel_failure
+from fastdeploy_core.quantization.weight_only import WeightOnlyInt8
+set_current_ops(CpuOps())
+layer = Linear(64, 32, quant_config=WeightOnlyInt8(), prefix="x.o_proj")
+layer.weight.weight_loader(layer.weight, np.random.default_rng(0).standard_normal((32, 64)).astype("float32"))
+x = paddle.ones([2, 64])
+y = layer(x); y = layer(x)
+want = WeightOnlyInt8.reference_op(x, layer.weight, layer.weight_scale, 64)
+print("RESULT", float(paddle.abs(y - want).max()), kernel_failure())
+"""
+    env_backup = os.environ.get("FD_DISABLE_QUANT_KERNELS")
+    os.environ["FD_DISABLE_QUANT_KERNELS"] = "1"
+    try:
+        proc = run_python(code)
+    finally:
+        if env_backup is None:
+            os.environ.pop("FD_DISABLE_QUANT_KERNELS")
+        else:
+            os.environ["FD_DISABLE_QUANT_KERNELS"] = env_backup
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line == "RESULT 0.0 RuntimeError: FD_DISABLE_QUANT_KERNELS is set", line
+    assert proc.stderr.count("cpu quantization kernels unavailable") == 1
