@@ -43,6 +43,7 @@ from fd_paddleformers.attention import (
     StepContext,
     register_paged_attention,
 )
+from fd_paddleformers.rotary import fallback_step, install_fast_rotary
 from fd_paddleformers.weight_mapping import Rule, UnsupportedMappingError, build_rules, fuse
 
 logger = logging.getLogger(__name__)
@@ -272,6 +273,8 @@ class PaddleFormersForCausalLM(nn.Layer):
                 f"the PaddleFormers fallback cannot serve {architecture}: its base model has no "
                 f"'layers' list of {self.num_layers} decoder layers"
             )
+        modules = {type(getattr(layer, "self_attn", None)).__module__ for layer in layers}
+        self.fast_rotary = all(install_fast_rotary(name) for name in modules)
         for index, layer in enumerate(layers):
             attn = getattr(layer, "self_attn", None)
             if attn is None:
@@ -308,9 +311,10 @@ class PaddleFormersForCausalLM(nn.Layer):
         self._step.kv_caches = kv_caches
         try:
             embeds = self.model.embed_tokens(meta.input_ids).unsqueeze(0)
-            out = self.model(
-                inputs_embeds=embeds, position_ids=meta.positions.unsqueeze(0), use_cache=False, return_dict=False
-            )
+            with fallback_step():
+                out = self.model(
+                    inputs_embeds=embeds, position_ids=meta.positions.unsqueeze(0), use_cache=False, return_dict=False
+                )
         finally:
             self._step.meta = None
             self._step.kv_caches = None

@@ -234,3 +234,32 @@ def test_fallback_linears_take_the_quantization_method(ref):
         got_native = tokens(run(native, [("n", prompt)], max_new), "n")
         got_fallback = tokens(run(fallback, [("f", prompt)], max_new), "f")
         assert got_fallback == got_native, f"prompt {i}"
+
+
+def test_fast_rotary_only_replaces_the_rotate_half_form():
+    """Llama's rotate_half RoPE gets the cheaper bit-identical form; Ernie 4.5's interleaved one does not."""
+    import importlib
+
+    import numpy as np
+    import paddle
+
+    from fd_paddleformers.architectures import import_paddleformers
+    from fd_paddleformers.rotary import fallback_step, install_fast_rotary
+
+    import_paddleformers()
+    llama = importlib.import_module("paddleformers.transformers.llama.modeling")
+    importlib.import_module("paddleformers.transformers.ernie4_5.modeling")
+    assert install_fast_rotary("paddleformers.transformers.llama.modeling")
+    assert not install_fast_rotary("paddleformers.transformers.ernie4_5.modeling")
+    fast = llama.apply_rotary_pos_emb
+    original = fast._fd_fast_rotary_original
+    rng = np.random.default_rng(1)
+    q = paddle.to_tensor(rng.standard_normal((1, 6, 3, 32)).astype(np.float32))
+    k = paddle.to_tensor(rng.standard_normal((1, 3, 3, 32)).astype(np.float32))
+    angles = rng.uniform(0, 50, (1, 3, 16)).astype(np.float32)
+    cos = paddle.to_tensor(np.cos(np.concatenate([angles, angles], -1)))
+    sin = paddle.to_tensor(np.sin(np.concatenate([angles, angles], -1)))
+    with fallback_step():
+        got = fast(q, k, cos, sin)
+    want = original(q, k, cos, sin)
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got, want))
