@@ -65,7 +65,7 @@ def measure(model, prompts: list[list[int]], output_len: int) -> dict:
 def main() -> None:
     import torch
 
-    from fastdeploy_core.cli.bench import random_prompts
+    from fastdeploy_core.cli.bench import machine_load, random_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded default model)")
@@ -103,6 +103,7 @@ def main() -> None:
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
             "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
         }
+        summary["machine"] = machine_load()
         results["runs"].append(summary)
         print(
             f"HF transformers batch {batch}: avg latency {summary['avg_latency']:.3f} s; "

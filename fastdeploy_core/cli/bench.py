@@ -77,6 +77,24 @@ def _engine(ctx: typer.Context):
     return LLMEngine(engine_args_from_extra(ctx.args))
 
 
+def machine_load() -> dict:
+    """Load average and CPU count: a busy machine makes every number here smaller."""
+    try:
+        one, five, _ = os.getloadavg()
+    except OSError:
+        return {}
+    return {"load_avg_1m": one, "load_avg_5m": five, "cpu_count": os.cpu_count()}
+
+
+def _warn_if_busy(load: dict) -> None:
+    if load and load["load_avg_1m"] > (load["cpu_count"] or 1):
+        typer.echo(
+            f"note: load average {load['load_avg_1m']:.1f} on {load['cpu_count']} CPUs during the run; "
+            "other work shared the cores, so these speeds are lower than the engine's",
+            err=True,
+        )
+
+
 def _write_json(path: str | None, data: dict) -> None:
     if path:
         with open(path, "w", encoding="utf-8") as f:
@@ -125,7 +143,9 @@ def latency_command(
         "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
         "engine": engine.core.config_info(),
+        "machine": machine_load(),
     }
+    _warn_if_busy(summary["machine"])
     typer.echo(
         f"Avg latency: {summary['avg_latency']:.3f} s (batch {batch_size}, {input_len} in, {output_len} out); "
         f"prefill {summary['prefill_tok_s']:.1f} tok/s; decode {summary['decode_tok_s']:.1f} tok/s"
@@ -167,7 +187,9 @@ def throughput_command(
         "total_tokens_per_second": num_prompts * (input_len + output_len) / elapsed,
         "output_tokens_per_second": num_prompts * output_len / elapsed,
         "engine": engine.core.config_info(),
+        "machine": machine_load(),
     }
+    _warn_if_busy(summary["machine"])
     typer.echo(
         f"Throughput: {summary['requests_per_second']:.2f} requests/s, {summary['total_tokens_per_second']:.1f} total tokens/s, "
         f"{summary['output_tokens_per_second']:.1f} output tokens/s ({num_prompts} x {input_len} in / {output_len} out, "
