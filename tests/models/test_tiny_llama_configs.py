@@ -117,3 +117,16 @@ def test_kv_cache_spec_follows_config(pair):
     config = {**BASE, **CASES[name]}
     head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
     assert model.kv_cache_spec() == (config["num_hidden_layers"], config["num_key_value_heads"], head_dim)
+
+
+def test_sharded_safetensors_checkpoint_loads_like_one_file(tmp_path):
+    torch.manual_seed(5)
+    hf_model = HFLlama(LlamaConfig(**{**BASE, **CASES["gqa_tied"]})).eval()
+    hf_model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]) > 1
+    source = resolve_model_source(str(tmp_path))
+    model = LlamaForCausalLM(source.hf_config)
+    load_model_weights(model, source)
+    logits = PagedHarness(model, num_blocks=2, block_size=16).step([(PROMPTS[0], 0, [1])])[0]
+    ref_logits, _ = _hf_greedy(hf_model, PROMPTS[0])
+    np.testing.assert_allclose(logits, ref_logits, atol=2e-4, rtol=1e-4)
