@@ -284,3 +284,10 @@ def test_gguf_tensors_can_be_handed_over_as_raw_blocks(tmp_path):
             np.testing.assert_array_equal(value.dequantize(), floats[name], err_msg=name)
         else:
             np.testing.assert_array_equal(value, floats[name], err_msg=name)
+
+
+def test_hf_dir_without_safetensors_says_what_is_supported(tiny_hf_dir):
+    (tiny_hf_dir / "model.safetensors").rename(tiny_hf_dir / "pytorch_model.bin")
+    source = resolve_model_source(str(tiny_hf_dir))
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors files.*\.bin checkpoints are not supported"):
+        load_model_weights(LlamaForCausalLM(source.hf_config), source)
