@@ -263,3 +263,21 @@ def test_fast_rotary_only_replaces_the_rotate_half_form():
         got = fast(q, k, cos, sin)
     want = original(q, k, cos, sin)
     assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got, want))
+
+
+@pytest.mark.slow
+def test_default_model_wint4_from_gguf_blocks_same_through_both_implementations():
+    """GGUF Q4_1 blocks reach the fallback's wint4 linears (gate/up shards included) as for native Llama."""
+    from fastdeploy_core import LLM
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for impl in ("fastdeploy", "paddleformers"):
+        llm = LLM(model_impl=impl, quantization="wint4", max_model_len=256, num_gpu_blocks_override=8, max_num_seqs=2)
+        model = llm.engine.core.runner.model
+        methods = {type(layer.quant_method).__name__ for _, layer in model.named_sublayers() if hasattr(layer, "quant_method")}
+        assert "WeightOnlyInt4" in methods
+        results[impl] = list(llm.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids)
+        del llm
+    assert results["paddleformers"] == results["fastdeploy"]
