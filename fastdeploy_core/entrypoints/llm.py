@@ -18,6 +18,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,12 +62,14 @@ class LLM:
     def _normalize_prompts(prompts) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
+        if hasattr(prompts, "tolist") and not isinstance(prompts, list):  # numpy / paddle arrays of ids
+            prompts = prompts.tolist()
         if (
             isinstance(prompts, Sequence)
             and prompts
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+            and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompts)
         ):
-            return [list(prompts)]  # one prompt of token ids
+            return [[int(t) for t in prompts]]  # one prompt of token ids
         if isinstance(prompts, Sequence):
             return list(prompts)
         raise InvalidRequestError(
@@ -105,7 +108,7 @@ class LLM:
                 if isinstance(item, dict):
                     prompt = item.get("prompt_token_ids") or item.get("prompt") or ""
                 else:
-                    prompt = item
+                    prompt = item.tolist() if hasattr(item, "tolist") else item
                 if not isinstance(prompt, (str, list)):
                     raise InvalidRequestError(
                         f"prompt {i} is a {type(prompt).__name__}; use a string or a list of token ids", param="prompts"
