@@ -355,3 +355,22 @@ def test_bad_engine_settings_are_typed(gqa_model, tmp_path):
     with pytest.raises(ModelLoadError) as info:  # auto: native, else the PaddleFormers fallback
         make_core(str(odd))
     assert "NoSuchForCausalLM" in str(info.value)
+
+
+def test_requests_joining_mid_flight_match_alone(tiny):
+    """Continuous batching: prompts arrive while others decode (mixed prefill + decode steps)."""
+    path, _, refs = tiny
+    core = make_core(path, max_num_batched_tokens=7)
+    got: dict[str, list[int]] = {}
+    pending = [(f"r{i}", p) for i, p in enumerate(PROMPTS)]
+    steps = 0
+    while pending or core.has_unfinished_requests():
+        if pending and steps % 3 == 0:
+            rid, prompt = pending.pop(0)
+            core.add_request(EngineCoreRequest(rid, prompt, greedy()))
+        for out in core.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+    for i in range(len(PROMPTS)):
+        assert got[f"r{i}"] == refs[i], f"prompt {i}"
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
