@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import numpy as np  # noqa: E402
+import paddle  # noqa: E402
 import pytest  # noqa: E402
 
 from fastdeploy_core.config import EngineArgs  # noqa: E402
@@ -195,3 +196,25 @@ def test_default_model_answers_with_each_method(spec):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=12))
     text = out[0].outputs[0].text
     assert "Paris" in text, text
+
+
+def test_default_model_wint4_holds_the_gguf_weights_exactly():
+    """Q4_1 blocks load as stored: with a float32 LM head, wint4 computes what float32 does."""
+    from fastdeploy_core import LLM
+
+    prompts = ["What is the capital of France?", "Name a red fruit."]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    answers, weights = {}, {}
+    for name, spec in (("wint4", '{"quantization": "wint4", "lm_head_quant_type": null}'), ("float32", None)):
+        kw = {"quantization": spec} if spec else {}
+        llm = LLM(model=None, max_model_len=256, num_gpu_blocks_override=16, **kw)
+        model = llm.engine.core.runner.model
+        answers[name] = [llm.chat([{"role": "user", "content": p}], params)[0].outputs[0].token_ids for p in prompts]
+        weights[name] = sum(int(np.prod(t.shape)) * t.element_size() for t in model.parameters())
+        weights[name] += sum(int(np.prod(t.shape)) * t.element_size() for t in model.buffers())
+        if name == "wint4":
+            qkv = model.model.layers[0].self_attn.qkv_proj
+            assert qkv.quant_method.config.group_size == 32 and qkv.weight.dtype == paddle.uint8
+        del llm, model
+    assert answers["wint4"] == answers["float32"]
+    assert weights["wint4"] < 0.65 * weights["float32"]
