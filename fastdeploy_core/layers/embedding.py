@@ -17,12 +17,23 @@ from fastdeploy_core.layers.weights import copy_into, new_parameter
 
 
 class VocabEmbedding(nn.Layer):
-    """``ids [T] -> [T, H]`` lookup in a ``[vocab_size, hidden_size]`` table."""
+    """``ids [T] -> [T, H]`` lookup in a ``[vocab_size, hidden_size]`` table.
 
-    def __init__(self, vocab_size: int, hidden_size: int):
+    A quantizer may store the table compactly: ``quant_config.get_embedding_method(layer,
+    prefix)`` returns a method with ``create_weights(layer)`` and ``apply(layer, ids)``
+    (``None`` keeps it float32).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, quant_config=None, prefix: str = "model.embed_tokens"):
         super().__init__()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
+        self.prefix = prefix
+        get_method = getattr(quant_config, "get_embedding_method", None)
+        self.quant_method = get_method(self, prefix) if get_method is not None else None
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self)
+            return
         self.weight = new_parameter(self, [vocab_size, hidden_size])
         self.weight.weight_loader = self.weight_loader
 
@@ -30,6 +41,8 @@ class VocabEmbedding(nn.Layer):
         copy_into(param, loaded, "embedding weight")
 
     def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, ids)
         return current_ops().embedding(ids, self.weight)
 
 

@@ -53,6 +53,9 @@ class QuantizerConfig(BaseModel):
     lm_head_quant_type: Literal["wint8"] | None = Field(
         None, description="store the LM head (a tied head included) as per-channel int8; None keeps it float32"
     )
+    embedding_quant_type: Literal["wint8"] | None = Field(
+        None, description="store the token embedding as int8 rows (groups of 32); None keeps it float32"
+    )
 
 
 class QuantizerBase(LinearMethodBase):
@@ -140,6 +143,15 @@ class QuantizerBase(LinearMethodBase):
         if is_lm_head(prefix):
             return self.lm_head_method()
         return self
+
+    def get_embedding_method(self, layer, prefix: str):
+        """The token embedding's method (:class:`~fastdeploy_core.quantization.embedding.Int8EmbeddingMethod`) or ``None``."""
+        if self.config.embedding_quant_type != "wint8" or not self.applies_to(prefix):
+            return None
+        from fastdeploy_core.quantization.embedding import Int8EmbeddingMethod
+
+        hidden = int(getattr(layer, "hidden_size", 0) or 0)
+        return Int8EmbeddingMethod(32 if hidden and hidden % 32 == 0 else None)
 
     def lm_head_method(self) -> LinearMethodBase | None:
         """The LM head's method: per-channel int8 with ``lm_head_quant_type: wint8``, else float32.
@@ -285,11 +297,19 @@ class QuantizerBase(LinearMethodBase):
         type; the name is mapped through the model's ``packed_modules_mapping`` (q_proj ->
         qkv_proj ...) to find the layer.
         """
-        takes: dict[str, QuantizerBase] = {}
+        from fastdeploy_core.quantization.embedding import Int8EmbeddingMethod
+
+        takes: dict[str, Any] = {}
+        heads_take_blocks = True
         for name, layer in model.named_sublayers():
             method = getattr(layer, "quant_method", None)
-            if isinstance(method, QuantizerBase):
+            if isinstance(method, (QuantizerBase, Int8EmbeddingMethod)):
                 takes[name] = method
+            if is_lm_head(name) and not isinstance(method, QuantizerBase):
+                heads_take_blocks = False  # a float head cannot take blocks, and a tied head shares the embedding's tensor
+        for name in [n for n, m in takes.items() if isinstance(m, Int8EmbeddingMethod)]:
+            if not heads_take_blocks:
+                del takes[name]
         mapping = getattr(model, "packed_modules_mapping", {}) or {}
 
         def keep(hf_name: str, type_name: str) -> bool:

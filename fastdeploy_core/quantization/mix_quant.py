@@ -63,6 +63,9 @@ class MixQuant(QuantizerBase):
         # The layers' own methods (the parts) decide; the base walks them.
         return QuantizerBase.gguf_block_filter(self, model)
 
+    def get_embedding_method(self, layer, prefix: str):
+        return QuantizerBase.get_embedding_method(self, layer, prefix)
+
     def required_methods(self) -> list[str]:
         names: list[str] = []
         for part in (self.dense, self.moe):

@@ -120,6 +120,7 @@ def quantize_int4(weight: np.ndarray, group_size: int, has_zero_point: bool) -> 
 
 # ---- the methods -----------------------------------------------------------------------------
 class WeightOnlyInt8Config(QuantizerConfig):
+    embedding_quant_type: Literal["wint8"] | None = Field("wint8", description="int8 token embedding (None: float32)")
     lm_head_quant_type: Literal["wint8"] | None = Field("wint8", description="int8 LM head (None: float32)")
     group_size: int | None = Field(None, ge=1, description="rows per scale; None = one scale per output channel")
 
@@ -165,6 +166,7 @@ class WeightOnlyInt8(QuantizerBase):
 
 
 class WeightOnlyInt4Config(QuantizerConfig):
+    embedding_quant_type: Literal["wint8"] | None = Field("wint8", description="int8 token embedding (None: float32)")
     lm_head_quant_type: Literal["wint8"] | None = Field("wint8", description="int8 LM head (None: float32)")
     group_size: int = Field(128, ge=2, description="input rows per scale (even); the last group may be shorter")
     has_zero_point: bool = Field(True, description="asymmetric groups (min..max) instead of a symmetric grid")

@@ -191,3 +191,44 @@ def test_wrapper_passes_float_caches_through():
     meta.attn_state.clear()
     want = ReferenceOps().paged_attention(q, k_f, v_f, meta, 0.25).numpy()
     np.testing.assert_array_equal(got, want)
+
+
+# ---- int8 token embedding --------------------------------------------------------------------------
+def test_int8_embedding_rows_are_within_half_a_step():
+    from fastdeploy_core.layers.embedding import VocabEmbedding
+
+    table = np.random.default_rng(7).standard_normal((50, 64)).astype(np.float32)
+    emb = VocabEmbedding(50, 64, WeightOnlyInt8(), prefix="model.embed_tokens")
+    assert emb.weight.dtype == paddle.int8 and emb.weight_scale.shape == [50, 2]  # groups of 32
+    emb.weight.weight_loader(emb.weight, table)
+    ids = paddle.to_tensor([3, 0, 49, 3])
+    got = emb(ids).numpy()
+    step = np.repeat(emb.weight_scale.numpy(), 32, axis=1)[[3, 0, 49, 3]]
+    assert np.all(np.abs(got - table[[3, 0, 49, 3]]) <= 0.5 * step * (1 + 1e-5))
+    float_emb = VocabEmbedding(50, 64, None)
+    assert float_emb.quant_method is None and float_emb.weight.dtype == paddle.float32
+    assert VocabEmbedding(50, 64, WeightOnlyInt8({"embedding_quant_type": None})).quant_method is None
+
+
+def test_q8_0_embedding_loads_exactly():
+    from fastdeploy_core.layers.embedding import VocabEmbedding
+
+    blocks, exact = _gguf_tensor("Q8_0", shape=(40, 96), seed=8)
+    emb = VocabEmbedding(40, 96, WeightOnlyInt4(), prefix="model.embed_tokens")
+    emb.weight.weight_loader(emb.weight, blocks)
+    np.testing.assert_array_equal(emb(paddle.arange(40)).numpy(), exact)
+
+
+def test_block_filter_keeps_a_tied_embedding_as_blocks_only_when_the_head_takes_them():
+    from fastdeploy_core.layers.embedding import LMHead, VocabEmbedding
+
+    class Tied(paddle.nn.Layer):
+        def __init__(self, quantizer):
+            super().__init__()
+            self.embed_tokens = VocabEmbedding(64, 32, quantizer, prefix="embed_tokens")
+            self.lm_head = LMHead(64, 32, quant_config=quantizer)
+
+    keep = WeightOnlyInt8().gguf_block_filter(Tied(WeightOnlyInt8()))
+    assert keep("embed_tokens.weight", "Q8_0") and not keep("embed_tokens.weight", "Q4_1")
+    float_head = WeightOnlyInt8({"lm_head_quant_type": None})
+    assert not float_head.gguf_block_filter(Tied(float_head))("embed_tokens.weight", "Q8_0")

@@ -149,7 +149,7 @@ class LlamaModel(nn.Layer):
 
     def __init__(self, dims: _Dims, quant_config=None, prefix: str = "model"):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden_size)
+        self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden_size, quant_config, prefix=f"{prefix}.embed_tokens")
         self.layers = nn.LayerList(
             [LlamaDecoderLayer(dims, quant_config, prefix=f"{prefix}.layers.{i}") for i in range(dims.num_layers)]
         )
