@@ -66,7 +66,8 @@ def main() -> None:
     from fastdeploy_core.tokenizer import load_tokenizer
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    text = open(os.path.join(root, "tests", "quantization", "data", "perplexity_text.txt")).read()
+    with open(os.path.join(root, "tests", "quantization", "data", "perplexity_text.txt")) as fh:
+        text = fh.read()
 
     def run(core, requests):
         for rid, ids, params in requests:
@@ -85,7 +86,7 @@ def main() -> None:
     for name in args.methods.split(","):
         spec = METHODS[name]
         t0 = time.perf_counter()
-        settings = dict(model=args.model, max_model_len=1024, num_gpu_blocks_override=64, block_size=64)
+        settings = {"model": args.model, "max_model_len": 1024, "num_gpu_blocks_override": 64, "block_size": 64}
         if spec:
             settings["quantization"] = spec
         core = EngineCore(EngineArgs.create(**settings))
@@ -110,7 +111,6 @@ def main() -> None:
         weights = 0
         for tensor in list(runner.model.parameters()) + list(runner.model.buffers()):
             weights += int(np.prod(tensor.shape)) * tensor.element_size()
-        layers, kv_heads, head_dim = runner.model.kv_cache_spec()
         kv_per_token = runner.bytes_per_block // runner.block_size
 
         entry = {

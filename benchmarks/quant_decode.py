@@ -60,7 +60,9 @@ def main() -> None:
     load_kernels()
     source = resolve_model_source(args.model)
     tokenizer = load_tokenizer(source)
-    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    )
 
     runs = {}
     for method in args.methods.split(","):
@@ -68,7 +70,9 @@ def main() -> None:
         quantizer = None
         if method != "none":
             quantizer = resolve_quantization(
-                method, device=CpuDevice, hf_config=source.hf_config,
+                method,
+                device=CpuDevice,
+                hf_config=source.hf_config,
                 gguf_path=source.path if source.format == "gguf" else None,
             )
         model = LlamaForCausalLM(source.hf_config, quant_config=quantizer)
@@ -77,9 +81,21 @@ def main() -> None:
         num_layers, kv_heads, head_dim = model.kv_cache_spec()
         bs = 64
         blocks = -(-(len(prompt) + args.tokens + 1) // bs)
-        caches = [(paddle.zeros([blocks, bs, kv_heads, head_dim]), paddle.zeros([blocks, bs, kv_heads, head_dim])) for _ in range(num_layers)]
-        runs[method] = {"model": model, "caches": caches, "table": list(range(blocks)), "load_s": time.perf_counter() - t0,
-                        "weight_mib": weight_bytes(model) / 2**20, "decode": [], "prefill": [], "cpu_ms": [], "text": None}
+        caches = [
+            (paddle.zeros([blocks, bs, kv_heads, head_dim]), paddle.zeros([blocks, bs, kv_heads, head_dim]))
+            for _ in range(num_layers)
+        ]
+        runs[method] = {
+            "model": model,
+            "caches": caches,
+            "table": list(range(blocks)),
+            "load_s": time.perf_counter() - t0,
+            "weight_mib": weight_bytes(model) / 2**20,
+            "decode": [],
+            "prefill": [],
+            "cpu_ms": [],
+            "text": None,
+        }
 
     def run(entry):
         model, caches, table = entry["model"], entry["caches"], entry["table"]
@@ -114,8 +130,12 @@ def main() -> None:
     base = max(runs["none"]["decode"]) if "none" in runs else None
     base_cpu = min(runs["none"]["cpu_ms"]) if "none" in runs else None
     results = {}
-    print(f"threads: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} FD_QUANT_KERNEL_THREADS={os.environ.get('FD_QUANT_KERNEL_THREADS', '-')}")
-    print(f"{'method':<16}{'weights MiB':>12}{'prefill ms':>12}{'decode tok/s':>14}{'vs fp32':>9}{'CPU ms/tok':>12}{'vs fp32':>9}  first tokens")
+    print(
+        f"threads: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} FD_QUANT_KERNEL_THREADS={os.environ.get('FD_QUANT_KERNEL_THREADS', '-')}"
+    )
+    print(
+        f"{'method':<16}{'weights MiB':>12}{'prefill ms':>12}{'decode tok/s':>14}{'vs fp32':>9}{'CPU ms/tok':>12}{'vs fp32':>9}  first tokens"
+    )
     for method, entry in runs.items():
         best = max(entry["decode"])
         results[method] = {
@@ -130,8 +150,8 @@ def main() -> None:
         }
         r = results[method]
         print(
-            f"{method:<16}{r['weight_mib']:>12}{r['prefill_ms']:>12}{r['decode_tok_s']:>14}{str(r['vs_float32']):>9}"
-            f"{r['cpu_ms_per_token']:>12}{str(r['cpu_vs_float32']):>9}  {r['text']!r}"
+            f"{method:<16}{r['weight_mib']:>12}{r['prefill_ms']:>12}{r['decode_tok_s']:>14}{r['vs_float32']!s:>9}"
+            f"{r['cpu_ms_per_token']:>12}{r['cpu_vs_float32']!s:>9}  {r['text']!r}"
         )
     if args.json:
         with open(args.json, "w") as fh:

@@ -43,23 +43,30 @@ def main() -> None:
     shapes = [(576, 1536), (1536, 576), (576, 960), (576, 49152)]
     what = "thread CPU" if args.cpu_time else "wall"
     print(f"threads={os.environ['OMP_NUM_THREADS']}  {what} microseconds per call (best of {args.repeats})")
-    print(f"{'K x N':<12}{'M':>4}{'mode':>6}{'fp32':>9}{'int8':>9}{'int4':>9}{'fp8':>9}{'int8 ref':>10}{'int8 x':>8}{'int4 x':>8}")
+    print(
+        f"{'K x N':<12}{'M':>4}{'mode':>6}{'fp32':>9}{'int8':>9}{'int4':>9}{'fp8':>9}{'int8 ref':>10}{'int8 x':>8}{'int4 x':>8}"
+    )
     for K, N in shapes:
         w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
         q8, q4, f8 = quantize_int8(w, K), quantize_int4(w, 32, True), quantize_block_fp8(w, (128, 128))
         copies = max(1, int(3 * args.l3_bytes // (K * N * 4)))
         fp32 = [paddle.to_tensor(w + i * 1e-3) for i in range(copies)]
         i8 = [(paddle.to_tensor(q8["weight"]), paddle.to_tensor(q8["weight_scale"])) for _ in range(copies)]
-        i4 = [tuple(paddle.to_tensor(q4[n]) for n in ("weight", "weight_scale", "weight_offset")) for _ in range(copies)]
-        e4 = [(paddle.to_tensor(f8["weight"]).astype(paddle.float8_e4m3fn), paddle.to_tensor(f8["weight_scale"])) for _ in range(copies)]
+        i4 = [
+            tuple(paddle.to_tensor(q4[n]) for n in ("weight", "weight_scale", "weight_offset")) for _ in range(copies)
+        ]
+        e4 = [
+            (paddle.to_tensor(f8["weight"]).astype(paddle.float8_e4m3fn), paddle.to_tensor(f8["weight_scale"]))
+            for _ in range(copies)
+        ]
         for M in (int(r) for r in args.rows.split(",")):
             x = paddle.to_tensor(rng.standard_normal((M, K)).astype(np.float32))
-            variants = {
-                "fp32": lambda i: paddle.matmul(x, fp32[i]),
-                "int8": lambda i: k.fd_int8_linear(x, *i8[i], K, False),
-                "int4": lambda i: k.fd_int4_linear(x, *i4[i], 32, False),
-                "fp8": lambda i: k.fd_fp8_linear(x, *e4[i], 128),
-                "int8 ref": lambda i: int8_linear_reference(x, *i8[i], K),
+            variants = {  # default arguments bind this iteration's tensors
+                "fp32": lambda i, x=x, w=fp32: paddle.matmul(x, w[i]),
+                "int8": lambda i, x=x, w=i8, K=K: k.fd_int8_linear(x, *w[i], K, False),
+                "int4": lambda i, x=x, w=i4: k.fd_int4_linear(x, *w[i], 32, False),
+                "fp8": lambda i, x=x, w=e4: k.fd_fp8_linear(x, *w[i], 128),
+                "int8 ref": lambda i, x=x, w=i8, K=K: int8_linear_reference(x, *w[i], K),
             }
             for mode, n_weights in (("cold", copies), ("hot", 1)):
                 calls = max(3 * n_weights, 30 if K * N < 2e6 else 6)
@@ -72,7 +79,8 @@ def main() -> None:
                             fn(c % n_weights)
                         best[name] = min(best[name], (clock() - t) / calls * 1e6)
                 print(
-                    f"{K}x{N:<7}{M:>4}{mode:>6}" + "".join(f"{best[n]:>9.0f}" for n in ("fp32", "int8", "int4", "fp8"))
+                    f"{K}x{N:<7}{M:>4}{mode:>6}"
+                    + "".join(f"{best[n]:>9.0f}" for n in ("fp32", "int8", "int4", "fp8"))
                     + f"{best['int8 ref']:>10.0f}{best['fp32'] / best['int8']:>8.2f}{best['fp32'] / best['int4']:>8.2f}"
                 )
 

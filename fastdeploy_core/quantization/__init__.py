@@ -29,7 +29,7 @@ _LAZY = {
     "resolve_quantization": "fastdeploy_core.quantization.registry",
 }
 
-__all__ = ["BUILTIN_METHODS", *_LAZY]
+__all__ = ["BUILTIN_METHODS", "QuantizerBase", "QuantizerConfig", "parse_spec", "resolve_quantization"]
 
 
 def __getattr__(name: str):

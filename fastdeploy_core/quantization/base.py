@@ -28,7 +28,8 @@ Each method declares its settings as a pydantic model (:attr:`QuantizerBase.conf
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Callable, ClassVar, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import paddle
@@ -99,7 +100,7 @@ class QuantizerBase(LinearMethodBase):
             ) from None
 
     @classmethod
-    def from_config(cls, data: dict, resolver: Callable[[str], "QuantizerBase"] | None = None) -> "QuantizerBase":
+    def from_config(cls, data: dict, resolver: Callable[[str], QuantizerBase] | None = None) -> QuantizerBase:
         """Build from a config dict (without the ``quantization`` key).
 
         ``resolver(name)`` builds another registered method by name, for composite methods
@@ -220,7 +221,9 @@ class QuantizerBase(LinearMethodBase):
             if tensor_name != "weight":
                 raise ModelLoadError(f"{where}: GGUF blocks can only fill a weight, not {tensor_name}")
             if loaded.shape != (stop - start, layer.input_size):
-                raise ModelLoadError(f"{where}: GGUF tensor of shape {loaded.shape}, expected {(stop - start, layer.input_size)}")
+                raise ModelLoadError(
+                    f"{where}: GGUF tensor of shape {loaded.shape}, expected {(stop - start, layer.input_size)}"
+                )
             if self.accepts_gguf(loaded.type_name):
                 tensors = self.load_gguf(loaded)
             else:
@@ -233,7 +236,9 @@ class QuantizerBase(LinearMethodBase):
                 raise ModelLoadError(
                     f"{where}: checkpoint weight of shape {array.shape}, expected {(stop - start, layer.input_size)}"
                 )
-            self.write_columns(layer, self.quantize(np.ascontiguousarray(array.T, dtype=np.float32)), start, stop, where)
+            self.write_columns(
+                layer, self.quantize(np.ascontiguousarray(array.T, dtype=np.float32)), start, stop, where
+            )
             return
         # A pre-quantized tensor: checkpoint orientation [out, ...] -> storage [..., out].
         array = array.reshape(array.shape[0], -1).T if array.ndim >= 1 else array
@@ -276,7 +281,7 @@ class QuantizerBase(LinearMethodBase):
         """Whether :meth:`load_gguf` takes GGUF blocks of ``type_name`` as stored (else they are dequantized and requantized)."""
         return type_name in self.gguf_types
 
-    def for_gguf(self, tensor_types: set[str]) -> "QuantizerBase":
+    def for_gguf(self, tensor_types: set[str]) -> QuantizerBase:
         """This method adapted to a GGUF checkpoint whose linear weights have ``tensor_types``.
 
         GGUF blocks are groups of 32 input rows: when every linear weight is of a type this
@@ -306,7 +311,9 @@ class QuantizerBase(LinearMethodBase):
             if isinstance(method, (QuantizerBase, Int8EmbeddingMethod)):
                 takes[name] = method
             if is_lm_head(name) and not isinstance(method, QuantizerBase):
-                heads_take_blocks = False  # a float head cannot take blocks, and a tied head shares the embedding's tensor
+                heads_take_blocks = (
+                    False  # a float head cannot take blocks, and a tied head shares the embedding's tensor
+                )
         for name in [n for n, m in takes.items() if isinstance(m, Int8EmbeddingMethod)]:
             if not heads_take_blocks:
                 del takes[name]

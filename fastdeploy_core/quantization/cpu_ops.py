@@ -17,7 +17,6 @@ from fastdeploy_core.quantization.fp8 import fp8_linear_reference
 from fastdeploy_core.quantization.kernels import load_kernels
 from fastdeploy_core.quantization.weight_only import int4_linear_reference, int8_linear_reference
 
-
 _run = _C_ops._run_custom_op  # the op must be registered: load_kernels() ran first (see _ready)
 
 

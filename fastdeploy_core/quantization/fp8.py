@@ -48,7 +48,9 @@ def quantize_block_fp8(weight: np.ndarray, block: tuple[int, int]) -> dict[str, 
 class BlockWiseFP8Config(QuantizerConfig):
     embedding_quant_type: Literal["wint8"] | None = Field("wint8", description="int8 token embedding (None: float32)")
     lm_head_quant_type: Literal["wint8"] | None = Field("wint8", description="int8 LM head (None: float32)")
-    weight_block_size: list[int] = Field(default_factory=lambda: [128, 128], description="[input rows, output columns] per scale")
+    weight_block_size: list[int] = Field(
+        default_factory=lambda: [128, 128], description="[input rows, output columns] per scale"
+    )
 
     @field_validator("weight_block_size")
     @classmethod

@@ -54,11 +54,11 @@ class GGUFBlocks:
         out, inp = self.shape
         return self.data.reshape(out, inp // BLOCK, _BLOCK_BYTES[self.type_name])
 
-    def permute_rows(self, order: np.ndarray) -> "GGUFBlocks":
+    def permute_rows(self, order: np.ndarray) -> GGUFBlocks:
         """The same tensor with its output rows reordered (e.g. undoing llama.cpp's Q/K row permutation)."""
         return GGUFBlocks(self.type_name, self.data[order], self.shape)
 
-    def unpermute_heads(self, num_heads: int) -> "GGUFBlocks":
+    def unpermute_heads(self, num_heads: int) -> GGUFBlocks:
         """Undo llama.cpp's interleaved-RoPE row order of attn_q / attn_k (rows are whole blocks)."""
         rows = self.shape[0]
         head_dim = rows // num_heads

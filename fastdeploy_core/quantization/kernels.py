@@ -115,7 +115,7 @@ def load_kernels():
                         _module = _build(name, build_dir)
                 finally:
                     fcntl.flock(lock_file, fcntl.LOCK_UN)
-        except Exception as exc:  # any build or load problem means: use the reference path
+        except Exception as exc:  # noqa: BLE001 - any build or load problem means: use the reference path
             _failure = f"{type(exc).__name__}: {exc}"
             _module = None
             logger.warning(

@@ -59,7 +59,7 @@ class QuantizedKVCache:
     def nbytes(self) -> int:
         return int(np.prod(self.data.shape)) + 4 * int(np.prod(self.scale.shape))
 
-    def index_put_(self, indices: tuple, values: paddle.Tensor) -> "QuantizedKVCache":
+    def index_put_(self, indices: tuple, values: paddle.Tensor) -> QuantizedKVCache:
         """Quantize ``values [T, kvh, d]`` and store them at ``indices = (block_ids, offsets)``.
 
         Same call as ``paddle.Tensor.index_put_``, so a write path written for float caches works unchanged.
@@ -98,7 +98,7 @@ class Int8KVCacheQuantizer:
             QuantizedKVCache(num_blocks, block_size, num_kv_heads, head_dim),
         )
 
-    def wrap_ops(self, ops) -> "Int8KVCacheOps":
+    def wrap_ops(self, ops) -> Int8KVCacheOps:
         return Int8KVCacheOps(ops)
 
 

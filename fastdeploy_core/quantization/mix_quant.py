@@ -8,7 +8,7 @@ MoE expert layer when it says so (``layer.is_moe_expert``) or its name holds ``.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from pydantic import Field
 
@@ -19,7 +19,9 @@ from fastdeploy_core.quantization.base import QuantizerBase, QuantizerConfig, is
 class MixQuantConfig(QuantizerConfig):
     dense_quant_type: str | None = Field(None, description="method for dense linear layers; None keeps them float32")
     moe_quant_type: str | None = Field(None, description="method for MoE expert layers; default: dense_quant_type")
-    image_moe_quant_type: str | None = Field(None, description="accepted for FastDeploy compatibility; same as moe_quant_type here")
+    image_moe_quant_type: str | None = Field(
+        None, description="accepted for FastDeploy compatibility; same as moe_quant_type here"
+    )
 
 
 class MixQuant(QuantizerBase):
@@ -34,7 +36,7 @@ class MixQuant(QuantizerBase):
         self.moe = moe
 
     @classmethod
-    def from_config(cls, data: dict, resolver: Callable[[str], QuantizerBase] | None = None) -> "MixQuant":
+    def from_config(cls, data: dict, resolver: Callable[[str], QuantizerBase] | None = None) -> MixQuant:
         config = cls.validate_config(data)
         if config.dense_quant_type is None and config.moe_quant_type is None and config.kv_cache_quant_type is None:
             raise QuantizationError(
@@ -52,7 +54,7 @@ class MixQuant(QuantizerBase):
         moe = resolver(moe_type, shared) if moe_type else None
         return cls(config, dense=dense, moe=moe)
 
-    def for_gguf(self, tensor_types: set[str]) -> "MixQuant":
+    def for_gguf(self, tensor_types: set[str]) -> MixQuant:
         return MixQuant(
             self.config,
             dense=self.dense.for_gguf(tensor_types) if self.dense else None,

@@ -123,7 +123,9 @@ def check_device(quantizer: QuantizerBase, device, plugin_manager) -> None:
         if method in getattr(device, "quantization_methods", ()):
             continue
         able = sorted(
-            name for name in pm.devices.keys() if method in getattr(pm.devices.get(name), "quantization_methods", ())
+            name
+            for name in pm.devices.keys()  # noqa: SIM118 - a Registry, not a dict
+            if method in getattr(pm.devices.get(name), "quantization_methods", ())
         )
         where = f"devices that run it: {', '.join(able)}" if able else "no installed device runs it"
         raise QuantizationError(
@@ -171,7 +173,7 @@ def resolve_quantization(
             name = "mix_quant"  # only the KV cache is quantized
         else:
             raise QuantizationError(
-                f"--quantization JSON names no method: add \"quantization\": \"<method>\" (given {sorted(data)})",
+                f'--quantization JSON names no method: add "quantization": "<method>" (given {sorted(data)})',
                 param="quantization",
             )
     if not isinstance(name, str):

@@ -73,7 +73,9 @@ def int8_linear_reference(x, weight, scale, group_size: int, bias=None, act_int8
     return add_bias(paddle.matmul(x, int8_weight(weight, scale, group_size)), bias)
 
 
-def int4_linear_reference(x, weight, scale, offset, group_size: int, bias=None, act_int8: bool = False) -> paddle.Tensor:
+def int4_linear_reference(
+    x, weight, scale, offset, group_size: int, bias=None, act_int8: bool = False
+) -> paddle.Tensor:
     """``x @ (q * scale + offset) (+ bias)``; with ``act_int8`` x is first rounded to int8 per row."""
     if act_int8:
         codes, row_scale = quantize_rows_int8(x)

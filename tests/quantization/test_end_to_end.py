@@ -7,18 +7,18 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import numpy as np  # noqa: E402
-import paddle  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import paddle
+import pytest
 
-from fastdeploy_core.config import EngineArgs  # noqa: E402
-from fastdeploy_core.engine.engine_core import EngineCore  # noqa: E402
-from fastdeploy_core.engine.outputs import EngineCoreRequest  # noqa: E402
-from fastdeploy_core.engine.sampling_params import SamplingParams  # noqa: E402
-from fastdeploy_core.errors import QuantizationError  # noqa: E402
-from fastdeploy_core.quantization.base import QuantizerBase  # noqa: E402
-from fastdeploy_core.quantization.kv_cache import QuantizedKVCache  # noqa: E402
-from fastdeploy_core.quantization.weight_only import WeightOnlyInt8  # noqa: E402
+from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.engine.engine_core import EngineCore
+from fastdeploy_core.engine.outputs import EngineCoreRequest
+from fastdeploy_core.engine.sampling_params import SamplingParams
+from fastdeploy_core.errors import QuantizationError
+from fastdeploy_core.quantization.base import QuantizerBase
+from fastdeploy_core.quantization.kv_cache import QuantizedKVCache
+from fastdeploy_core.quantization.weight_only import WeightOnlyInt8
 
 PROMPTS = [[5, 9, 17, 33, 2, 7, 100, 64, 3], [1], [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101], [12, 12, 12, 30]]
 MAX_NEW = 10
@@ -30,7 +30,9 @@ METHODS = {
     "w4a8": "w4a8",
     "block_wise_fp8": "block_wise_fp8",
     "kv_int8": '{"kv_cache_quant_type": "int8"}',
-    "mix_wint8_kv_int8": json.dumps({"quantization": "mix_quant", "dense_quant_type": "wint8", "kv_cache_quant_type": "int8"}),
+    "mix_wint8_kv_int8": json.dumps(
+        {"quantization": "mix_quant", "dense_quant_type": "wint8", "kv_cache_quant_type": "int8"}
+    ),
 }
 
 
@@ -90,7 +92,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def make_core(path: str, **kw) -> EngineCore:
-    settings = dict(model=path, max_model_len=64, block_size=4, num_gpu_blocks_override=96)
+    settings = {"model": path, "max_model_len": 64, "block_size": 4, "num_gpu_blocks_override": 96}
     settings.update(kw)
     return EngineCore(EngineArgs.create(**settings))
 
@@ -148,14 +150,12 @@ BARS = {  # measured on this model: wint8 1.0/0.015, w8a8 1.0/0.03, fp8 0.95/0.0
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_tiny_model_generates_with_each_method(tiny_dir, float_run, name):
-    float_tokens, sequences, float_lp = float_run
+    _, sequences, float_lp = float_run
     core = make_core(tiny_dir, quantization=METHODS[name])
     runner = core.runner
     model = runner.model
     linears = [
-        layer
-        for layer in model.model.sublayers()
-        if isinstance(getattr(layer, "quant_method", None), QuantizerBase)
+        layer for layer in model.model.sublayers() if isinstance(getattr(layer, "quant_method", None), QuantizerBase)
     ]
     assert len(linears) == (0 if name == "kv_int8" else 2 * 4)  # qkv, o, gate_up, down per layer
     # weight-only methods keep the LM head in per-channel int8 (mix_quant only when asked)
@@ -193,7 +193,9 @@ def test_default_model_answers_with_each_method(spec):
     from fastdeploy_core import LLM
 
     llm = LLM(model=None, max_model_len=256, num_gpu_blocks_override=16, quantization=spec)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=12))
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=12)
+    )
     text = out[0].outputs[0].text
     assert "Paris" in text, text
 

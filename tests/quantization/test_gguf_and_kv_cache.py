@@ -3,31 +3,32 @@
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import numpy as np  # noqa: E402
-import paddle  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import paddle
+import pytest
 
-from fastdeploy_core.devices.current import current_ops, set_current_ops  # noqa: E402
-from fastdeploy_core.devices.reference_ops import ReferenceOps  # noqa: E402
-from fastdeploy_core.errors import ModelLoadError  # noqa: E402
-from fastdeploy_core.executor.forward_meta import ForwardMeta  # noqa: E402
-from fastdeploy_core.layers.linear import Linear, QKVLinear  # noqa: E402
-from fastdeploy_core.quantization.cpu_ops import CpuOps  # noqa: E402
-from fastdeploy_core.quantization.gguf import GGUFBlocks, q4_to_int4, q8_0_to_int8  # noqa: E402
-from fastdeploy_core.quantization.kv_cache import (  # noqa: E402
+from fastdeploy_core.devices.current import current_ops, set_current_ops
+from fastdeploy_core.devices.reference_ops import ReferenceOps
+from fastdeploy_core.errors import ModelLoadError
+from fastdeploy_core.executor.forward_meta import ForwardMeta
+from fastdeploy_core.layers.linear import Linear, QKVLinear
+from fastdeploy_core.quantization.cpu_ops import CpuOps
+from fastdeploy_core.quantization.gguf import GGUFBlocks, q4_to_int4, q8_0_to_int8
+from fastdeploy_core.quantization.kv_cache import (
     Int8KVCacheOps,
     Int8KVCacheQuantizer,
     QuantizedKVCache,
     dequantize_kv,
     quantize_kv,
 )
-from fastdeploy_core.quantization.weight_only import WeightOnlyInt4, WeightOnlyInt8, int4_weight, int8_weight  # noqa: E402
+from fastdeploy_core.quantization.weight_only import WeightOnlyInt4, WeightOnlyInt8, int4_weight, int8_weight
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType, quants  # noqa: E402
+from gguf import GGMLQuantizationType, quants
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +101,11 @@ def test_gguf_blocks_with_a_wrong_size_are_rejected():
 
 def test_block_filter_picks_quantized_linear_weights_by_hf_name():
     class Tiny(paddle.nn.Layer):
-        packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
+        packed_modules_mapping: ClassVar[dict] = {
+            "q_proj": ("qkv_proj", "q"),
+            "k_proj": ("qkv_proj", "k"),
+            "v_proj": ("qkv_proj", "v"),
+        }
 
         def __init__(self, quantizer):
             super().__init__()
@@ -133,7 +138,9 @@ def _paged_case(seed: int):
     query_start = np.array([0, 1, 4])
     tables = np.array([[5, 1, 7], [2, 6, 0]])
     # seq 0 writes position 9, seq 1 positions 4..6
-    slots = np.array([tables[0][9 // block] * block + 9 % block] + [tables[1][p // block] * block + p % block for p in (4, 5, 6)])
+    slots = np.array(
+        [tables[0][9 // block] * block + 9 % block] + [tables[1][p // block] * block + p % block for p in (4, 5, 6)]
+    )
     meta = ForwardMeta(
         input_ids=None,
         positions=None,

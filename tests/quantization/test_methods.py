@@ -10,21 +10,21 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import numpy as np  # noqa: E402
-import paddle  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import paddle
+import pytest
 
-from fastdeploy_core.devices.cpu import CpuDevice  # noqa: E402
-from fastdeploy_core.devices.current import current_ops, set_current_ops  # noqa: E402
-from fastdeploy_core.devices.reference_ops import ReferenceOps  # noqa: E402
-from fastdeploy_core.errors import ModelLoadError  # noqa: E402
-from fastdeploy_core.layers.linear import Linear, MergedColumnLinear, QKVLinear  # noqa: E402
-from fastdeploy_core.quantization.cpu_ops import CpuOps  # noqa: E402
-from fastdeploy_core.quantization.fp8 import BlockWiseFP8, quantize_block_fp8  # noqa: E402
-from fastdeploy_core.quantization.kernels import kernel_failure, load_kernels  # noqa: E402
-from fastdeploy_core.quantization.w4a8 import W4A8  # noqa: E402
-from fastdeploy_core.quantization.w8a8 import W8A8  # noqa: E402
-from fastdeploy_core.quantization.weight_only import (  # noqa: E402
+from fastdeploy_core.devices.cpu import CpuDevice
+from fastdeploy_core.devices.current import current_ops, set_current_ops
+from fastdeploy_core.devices.reference_ops import ReferenceOps
+from fastdeploy_core.errors import ModelLoadError
+from fastdeploy_core.layers.linear import Linear, MergedColumnLinear, QKVLinear
+from fastdeploy_core.quantization.cpu_ops import CpuOps
+from fastdeploy_core.quantization.fp8 import BlockWiseFP8, quantize_block_fp8
+from fastdeploy_core.quantization.kernels import kernel_failure, load_kernels
+from fastdeploy_core.quantization.w4a8 import W4A8
+from fastdeploy_core.quantization.w8a8 import W8A8
+from fastdeploy_core.quantization.weight_only import (
     WeightOnlyInt4,
     WeightOnlyInt8,
     int4_weight,

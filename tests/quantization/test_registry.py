@@ -6,20 +6,20 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import json  # noqa: E402
+import json
 
-import pytest  # noqa: E402
+import pytest
 
-from fastdeploy_core.devices import Availability, Device  # noqa: E402
-from fastdeploy_core.devices.cpu import CpuDevice  # noqa: E402
-from fastdeploy_core.errors import ConfigError, QuantizationError  # noqa: E402
-from fastdeploy_core.plugins import PluginManager, load_plugins  # noqa: E402
-from fastdeploy_core.quantization.fp8 import BlockWiseFP8  # noqa: E402
-from fastdeploy_core.quantization.kv_cache import Int8KVCacheQuantizer  # noqa: E402
-from fastdeploy_core.quantization.mix_quant import MixQuant  # noqa: E402
-from fastdeploy_core.quantization.registry import parse_spec, resolve_quantization  # noqa: E402
-from fastdeploy_core.quantization.weight_only import WeightOnlyInt4, WeightOnlyInt8  # noqa: E402
-from tests.core.fake_dists import make_dist, run_python  # noqa: E402
+from fastdeploy_core.devices import Availability, Device
+from fastdeploy_core.devices.cpu import CpuDevice
+from fastdeploy_core.errors import ConfigError, QuantizationError
+from fastdeploy_core.plugins import PluginManager, load_plugins
+from fastdeploy_core.quantization.fp8 import BlockWiseFP8
+from fastdeploy_core.quantization.kv_cache import Int8KVCacheQuantizer
+from fastdeploy_core.quantization.mix_quant import MixQuant
+from fastdeploy_core.quantization.registry import parse_spec, resolve_quantization
+from fastdeploy_core.quantization.weight_only import WeightOnlyInt4, WeightOnlyInt8
+from tests.core.fake_dists import make_dist, run_python
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,12 @@ def test_json_settings_reach_the_method(pm):
 
 def test_mix_quant_routes_dense_and_moe_layers_and_kv_cache(pm):
     spec = json.dumps(
-        {"quantization": "mix_quant", "dense_quant_type": "wint8", "moe_quant_type": "wint4", "kv_cache_quant_type": "int8"}
+        {
+            "quantization": "mix_quant",
+            "dense_quant_type": "wint8",
+            "moe_quant_type": "wint4",
+            "kv_cache_quant_type": "int8",
+        }
     )
     q = resolve_quantization(spec, device=CpuDevice, plugin_manager=pm)
     assert isinstance(q, MixQuant)
@@ -71,7 +76,10 @@ def test_kv_cache_only_json_quantizes_just_the_cache(pm):
         ('{"quantization": 8}', "must be a method name"),
         ('{"quantization": "wint4", "group_size": 0}', r"'wint4': group_size: .*greater than or equal to 2.*given 0"),
         ('{"quantization": "wint4", "group_size": 33}', "group_size must be even"),
-        ('{"quantization": "wint8", "bits": 3}', r"bits: Extra inputs are not permitted.*its settings are: .*group_size"),
+        (
+            '{"quantization": "wint8", "bits": 3}',
+            r"bits: Extra inputs are not permitted.*its settings are: .*group_size",
+        ),
         ('{"quantization": "mix_quant"}', "needs at least one of dense_quant_type"),
         ('{"quantization": "mix_quant", "dense_quant_type": "wint9"}', "unknown quantization method 'wint9'"),
         ('{"quantization": "block_wise_fp8", "weight_block_size": [128]}', "weight_block_size.*two positive integers"),
@@ -141,7 +149,9 @@ def test_device_that_cannot_run_a_method_names_the_devices_that_can():
     msg = str(info.value)
     assert "'wint4' is not supported on device 'int8chip'" in msg and "it runs: wint8" in msg
     assert "devices that run it: cpu" in msg
-    with pytest.raises(QuantizationError, match="'wint8' is not supported on device 'plainchip'.*devices that run it: cpu, int8chip"):
+    with pytest.raises(
+        QuantizationError, match="'wint8' is not supported on device 'plainchip'.*devices that run it: cpu, int8chip"
+    ):
         resolve_quantization("wint8", device=_NoQuantChip, plugin_manager=manager)
     # mix_quant checks each part
     with pytest.raises(QuantizationError, match="'wint4' is not supported on device 'int8chip'"):
@@ -153,7 +163,9 @@ def test_device_that_cannot_run_a_method_names_the_devices_that_can():
 
 
 def test_checkpoint_quantization_config_is_honoured(pm):
-    fp8_ckpt = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}}
+    fp8_ckpt = {
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    }
     q = resolve_quantization(None, plugin_manager=pm, hf_config=fp8_ckpt)
     assert isinstance(q, BlockWiseFP8) and q.config.is_quantized and q.block == (128, 128)
     fd_ckpt = {"quantization_config": {"quantization": "wint8"}}
