@@ -33,8 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from fastdeploy_core.cli.bench_serve import format_summary, make_requests, plot_summaries, run_benchmark  # noqa: E402
-from fastdeploy_core.default_model import default_model_path  # noqa: E402
+from fastdeploy_core.cli.bench_serve import format_summary, make_requests, plot_summaries, run_benchmark
+from fastdeploy_core.default_model import default_model_path
 
 LEVELS = {1: 8, 16: 32, 64: 64}  # concurrency -> number of prompts
 
@@ -73,7 +73,9 @@ def start_llamacpp(port: int, max_model_len: int, log) -> tuple[subprocess.Popen
         raise SystemExit(f"llama.cpp peer missing: {python}; see this script's docstring")
     cmd = [python, "-m", "llama_cpp.server", "--model", default_model_path(), "--host", "127.0.0.1",
            "--port", str(port), "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", str(max_model_len),
-           "--model_alias", "SmolLM2-135M-Instruct"]
+           "--model_alias", "SmolLM2-135M-Instruct",
+           # by default a new request cuts the running one short; queue them instead
+           "--interrupt_requests", "False"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="2"))
     wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
     return proc, " ".join(cmd[1:])
