@@ -23,19 +23,10 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 import typer
 
-_WORDS = (
-    "time year people way day man thing woman life child world school state family student group country "
-    "problem hand part place case week company system program question work government number night point "
-    "home water room mother area money story fact month lot right study book eye job word business issue "
-    "side kind head house service friend father power hour game line end member law car city community "
-    "name president team minute idea kid body information back parent face others level office door health "
-    "person art war history party result change morning reason research girl guy moment air teacher force "
-    "education river mountain garden window music market energy light paper table science language animal"
-).split()
+_WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea", "kid", "body", "information", "back", "parent", "face", "others", "level", "office", "door", "health", "person", "art", "war", "history", "party", "result", "change", "morning", "reason", "research", "girl", "guy", "moment", "air", "teacher", "force", "education", "river", "mountain", "garden", "window", "music", "market", "energy", "light", "paper", "table", "science", "language", "animal"]
 
 _QUESTIONS = (
     "Summarize the following notes in a few sentences.",
@@ -149,11 +140,11 @@ def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
 async def run_benchmark(
     base_url: str,
     backend: str,
-    model: Optional[str],
+    model: str | None,
     requests: list[BenchRequest],
-    max_concurrency: Optional[int],
+    max_concurrency: int | None,
     request_rate: float,
-    api_key: Optional[str],
+    api_key: str | None,
     seed: int = 0,
     timeout: float = 1800.0,
 ) -> dict:
@@ -264,18 +255,18 @@ def plot_summaries(summaries: list[tuple[str, dict]], path: str) -> None:
 def bench_serve_command(
     base_url: str = typer.Option("http://127.0.0.1:8000", "--base-url", help="Server root (without /v1)."),
     backend: str = typer.Option("openai", "--backend", help="openai (/v1/completions) or openai-chat (/v1/chat/completions)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Model name to send (default: the first of /v1/models)."),
+    model: str | None = typer.Option(None, "--model", help="Model name to send (default: the first of /v1/models)."),
     dataset_name: str = typer.Option("random", "--dataset-name", help="random | sharegpt (both generated locally)."),
     num_prompts: int = typer.Option(100, "--num-prompts", min=1),
-    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", min=1, help="Requests in flight at most (default: all)."),
+    max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1, help="Requests in flight at most (default: all)."),
     request_rate: float = typer.Option(float("inf"), "--request-rate", help="Requests per second (Poisson); inf sends all at once."),
     random_input_len: int = typer.Option(128, "--random-input-len", min=1, help="Words per prompt (random) or median (sharegpt)."),
     random_output_len: int = typer.Option(64, "--random-output-len", min=1, help="max_tokens per request (median for sharegpt)."),
     seed: int = typer.Option(0, "--seed"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY"),
-    result_file: Optional[str] = typer.Option(None, "--result-file", help="Write the summary as JSON here."),
-    plot_file: Optional[str] = typer.Option(None, "--plot-file", help="Write a PNG plot here."),
-    label: Optional[str] = typer.Option(None, "--label", help="Name of this run in the JSON and plot."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY"),
+    result_file: str | None = typer.Option(None, "--result-file", help="Write the summary as JSON here."),
+    plot_file: str | None = typer.Option(None, "--plot-file", help="Write a PNG plot here."),
+    label: str | None = typer.Option(None, "--label", help="Name of this run in the JSON and plot."),
 ) -> None:
     """Benchmark an OpenAI-compatible server: throughput and TTFT/TPOT/ITL/E2EL."""
     if backend not in ("openai", "openai-chat"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -66,31 +66,31 @@ def build_configs(preset: dict[str, Any], flags: dict[str, Any]):
 
 def serve(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", help="HF model directory or .gguf file; omit for the embedded default model (SmolLM2-135M-Instruct)."),
-    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model name clients send and see in /v1/models."),
-    host: Optional[str] = typer.Option(None, "--host", help="Address to listen on (default: 0.0.0.0)."),
-    port: Optional[int] = typer.Option(None, "--port", help="HTTP port (default: 8000)."),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Also serve /metrics on this port (always on the main port too)."),
-    engine_worker_queue_port: Optional[int] = typer.Option(None, "--engine-worker-queue-port", help="127.0.0.1 port between the API process and the engine core (default: a free port)."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Longest sequence (prompt + output) in tokens (default: the model's)."),
-    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Sequences in one batch (default: 64)."),
-    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", help="Token budget of one engine step."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per KV-cache block (default: 64)."),
-    gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="Fraction of device memory for weights + KV cache (of RAM on CPU)."),
-    num_gpu_blocks_override: Optional[int] = typer.Option(None, "--num-gpu-blocks-override", help="Exact number of KV-cache blocks."),
-    kv_cache_ratio: Optional[float] = typer.Option(None, "--kv-cache-ratio", help=_NO_EFFECT_HELP),
-    tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", help=_NO_EFFECT_HELP + " Tensor parallelism is not implemented yet."),
-    model_impl: Optional[str] = typer.Option(None, "--model-impl", help="auto | fastdeploy | paddleformers."),
-    quantization: Optional[str] = typer.Option(None, "--quantization", help="Quantization method name or FastDeploy JSON."),
-    enable_prefix_caching: Optional[bool] = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes (default: on)."),
-    enable_chunked_prefill: Optional[bool] = typer.Option(None, "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts over several steps (default: on)."),
-    device: Optional[str] = typer.Option(None, "--device", help="Device name or auto."),
-    api_key: Optional[list[str]] = typer.Option(None, "--api-key", help="Accepted API key (repeatable); also env FD_API_KEY (comma-separated)."),
-    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="Requests in the server at once; more get 429 (default: 512)."),
-    max_waiting_time: Optional[float] = typer.Option(None, "--max-waiting-time", help="Seconds a request may wait for an engine slot before 503; -1 = forever (default: -1)."),
-    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja chat template (a file path or the template text)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Engine seed for unseeded sampling."),
-    config: Optional[str] = typer.Option(None, "--config", help="YAML preset of these flags (dash or underscore names); flags given here win."),
+    model: str | None = typer.Option(None, "--model", help="HF model directory or .gguf file; omit for the embedded default model (SmolLM2-135M-Instruct)."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="Model name clients send and see in /v1/models."),
+    host: str | None = typer.Option(None, "--host", help="Address to listen on (default: 0.0.0.0)."),
+    port: int | None = typer.Option(None, "--port", help="HTTP port (default: 8000)."),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", help="Also serve /metrics on this port (always on the main port too)."),
+    engine_worker_queue_port: int | None = typer.Option(None, "--engine-worker-queue-port", help="127.0.0.1 port between the API process and the engine core (default: a free port)."),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", help="Longest sequence (prompt + output) in tokens (default: the model's)."),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="Sequences in one batch (default: 64)."),
+    max_num_batched_tokens: int | None = typer.Option(None, "--max-num-batched-tokens", help="Token budget of one engine step."),
+    block_size: int | None = typer.Option(None, "--block-size", help="Tokens per KV-cache block (default: 64)."),
+    gpu_memory_utilization: float | None = typer.Option(None, "--gpu-memory-utilization", help="Fraction of device memory for weights + KV cache (of RAM on CPU)."),
+    num_gpu_blocks_override: int | None = typer.Option(None, "--num-gpu-blocks-override", help="Exact number of KV-cache blocks."),
+    kv_cache_ratio: float | None = typer.Option(None, "--kv-cache-ratio", help=_NO_EFFECT_HELP),
+    tensor_parallel_size: int | None = typer.Option(None, "--tensor-parallel-size", help=_NO_EFFECT_HELP + " Tensor parallelism is not implemented yet."),
+    model_impl: str | None = typer.Option(None, "--model-impl", help="auto | fastdeploy | paddleformers."),
+    quantization: str | None = typer.Option(None, "--quantization", help="Quantization method name or FastDeploy JSON."),
+    enable_prefix_caching: bool | None = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes (default: on)."),
+    enable_chunked_prefill: bool | None = typer.Option(None, "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts over several steps (default: on)."),
+    device: str | None = typer.Option(None, "--device", help="Device name or auto."),
+    api_key: list[str] | None = typer.Option(None, "--api-key", help="Accepted API key (repeatable); also env FD_API_KEY (comma-separated)."),
+    max_concurrency: int | None = typer.Option(None, "--max-concurrency", help="Requests in the server at once; more get 429 (default: 512)."),
+    max_waiting_time: float | None = typer.Option(None, "--max-waiting-time", help="Seconds a request may wait for an engine slot before 503; -1 = forever (default: -1)."),
+    chat_template: str | None = typer.Option(None, "--chat-template", help="Jinja chat template (a file path or the template text)."),
+    seed: int | None = typer.Option(None, "--seed", help="Engine seed for unseeded sampling."),
+    config: str | None = typer.Option(None, "--config", help="YAML preset of these flags (dash or underscore names); flags given here win."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
 ) -> None:
     """Start the OpenAI-compatible server (engine core in its own process)."""

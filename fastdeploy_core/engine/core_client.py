@@ -207,7 +207,7 @@ class AsyncEngineClient:
                     return
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the loop must never die silently
+        except Exception as exc:
             logger.exception("engine output loop failed")
             self._mark_dead(f"engine output loop failed: {exc}")
 
@@ -312,7 +312,7 @@ class AsyncEngineClient:
             self._loop_task.cancel()
             try:
                 await self._loop_task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001, S110 - the loop is being stopped on purpose
                 pass
         if self.core.process is not None:
             try:

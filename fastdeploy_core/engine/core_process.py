@@ -53,7 +53,7 @@ def run_engine_core(engine_args: dict[str, Any], address: str, parent_pid: int, 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stopping = {"flag": False}
 
-    def _on_term(signum, frame):  # noqa: ARG001
+    def _on_term(signum, frame):
         stopping["flag"] = True
 
     signal.signal(signal.SIGTERM, _on_term)

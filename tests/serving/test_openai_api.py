@@ -146,8 +146,8 @@ def test_n_choices(client, model_name):
 
 
 def test_seed_reproducibility(client, model_name):
-    kwargs = dict(model=model_name, messages=[{"role": "user", "content": "Write a word."}], max_tokens=10,
-                  temperature=1.0, top_p=0.95, seed=1234)
+    kwargs = {"model": model_name, "messages": [{"role": "user", "content": "Write a word."}], "max_tokens": 10,
+              "temperature": 1.0, "top_p": 0.95, "seed": 1234}
     a = client.chat.completions.create(**kwargs).choices[0].message.content
     b = client.chat.completions.create(**kwargs).choices[0].message.content
     assert a == b

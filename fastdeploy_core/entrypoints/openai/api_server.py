@@ -21,7 +21,6 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from fastdeploy_core.config import EngineArgs, ServerConfig
-from fastdeploy_core.errors import FastDeployError
 from fastdeploy_core.entrypoints.openai.auth import APIKeyChecker
 from fastdeploy_core.entrypoints.openai.errors import error_body, install_exception_handlers, parse_body
 from fastdeploy_core.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
@@ -37,6 +36,7 @@ from fastdeploy_core.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from fastdeploy_core.errors import FastDeployError
 
 logger = logging.getLogger("fastdeploy.serve")
 
@@ -50,7 +50,6 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
     from fastdeploy_core.entrypoints.openai.serving_chat import create_chat_completion, render_chat_prompt
     from fastdeploy_core.entrypoints.openai.serving_completion import create_completion
     from fastdeploy_core.entrypoints.openai.serving_engine import Admission, ServingState
-
     from fastdeploy_core.loader.model_source import resolve_model_source
     from fastdeploy_core.tokenizer import load_tokenizer
 
@@ -232,7 +231,7 @@ def _start_metrics_server(metrics: ServerMetrics, host: str, port: int):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's naming
+        def do_GET(self):
             if self.path.split("?")[0] not in ("/metrics", "/"):
                 self.send_error(404)
                 return

@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fastdeploy_core.errors import FastDeployError, InvalidRequestError
 from fastdeploy_core.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from fastdeploy_core.errors import FastDeployError, InvalidRequestError
 
 logger = logging.getLogger("fastdeploy.serve")
 

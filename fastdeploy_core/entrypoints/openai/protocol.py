@@ -36,7 +36,7 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     @model_validator(mode="after")
-    def _log_unknown_fields(self) -> "OpenAIBaseModel":
+    def _log_unknown_fields(self) -> OpenAIBaseModel:
         extra = self.model_extra or {}
         new = sorted(k for k in extra if k not in _warned_unknown_fields)
         if new:
@@ -106,7 +106,7 @@ class _SamplingFields(OpenAIBaseModel):
     request_id: str | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
-    def _check_common(self) -> "_SamplingFields":
+    def _check_common(self) -> _SamplingFields:
         stops = self.stop_list()
         if len(stops) > MAX_STOP_STRINGS:
             raise InvalidRequestError(
@@ -193,7 +193,7 @@ class ChatCompletionRequest(_SamplingFields):
     disable_chat_template: bool = False
 
     @model_validator(mode="after")
-    def _check_chat(self) -> "ChatCompletionRequest":
+    def _check_chat(self) -> ChatCompletionRequest:
         if self.tools:
             raise InvalidRequestError("tools are not supported yet", param="tools")
         if self.tool_choice not in (None, "none"):
@@ -223,7 +223,7 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
     @model_validator(mode="after")
-    def _check_completion(self) -> "CompletionRequest":
+    def _check_completion(self) -> CompletionRequest:
         if self.suffix:
             raise InvalidRequestError("suffix is not supported yet", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -385,7 +385,7 @@ class TokenizeRequest(OpenAIBaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _one_input(self) -> "TokenizeRequest":
+    def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
         return self

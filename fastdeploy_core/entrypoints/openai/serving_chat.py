@@ -44,7 +44,7 @@ def render_chat_prompt(state: ServingState, req: ChatCompletionRequest) -> tuple
         )
     except InvalidRequestError:
         raise
-    except Exception as exc:  # a user template or kwargs that the template rejects
+    except Exception as exc:  # noqa: BLE001 - a user template or kwargs that the template rejects
         raise InvalidRequestError(f"chat template failed: {type(exc).__name__}: {exc}", param="messages") from None
     # The template writes the special tokens itself; do not add a second bos.
     return text, list(state.tokenizer.encode(text, add_special_tokens=False))

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -74,7 +75,7 @@ class Admission:
             self.free_slots -= slots
             fut.set_result(None)
 
-    async def admit(self, slots: int) -> "Lease":
+    async def admit(self, slots: int) -> Lease:
         """Hold one concurrency place and ``slots`` engine slots, or raise 429 / 503."""
         if self.in_flight >= self.max_concurrency:
             raise too_many_requests(self.max_concurrency)
@@ -375,7 +376,7 @@ class ServingState:
 
 def _finite(x: float) -> float:
     # JSON has no -inf; a token that was filtered out (top-k/top-p) gets the lowest float.
-    if x != x:
+    if math.isnan(x):
         return -9999.0
     return max(float(x), -9999.0)
 
