@@ -1,4 +1,4 @@
-"""Our server beside llama.cpp's server on the same GGUF, 2 threads, at 1, 16 and 64 concurrent requests.
+"""Our server beside llama.cpp's servers on the same GGUF, 2 threads, at 1, 16 and 64 concurrent requests.
 
 One run measures both, one server at a time (they would fight over the 2 cores otherwise), with
 the very same locally generated prompts (``fastdeploy bench serve``'s random dataset), greedy,
@@ -11,7 +11,9 @@ The llama.cpp peer is ``llama-cpp-python[server]`` in its own venv::
     .venv/bin/python benchmarks/serve_vs_llamacpp.py
 
 Note (MEASURED.md): ``python -m llama_cpp.server`` serves one request at a time behind a lock;
-llama.cpp's native ``llama-server -np N`` batches and is ~2.5x faster at 16 requests.
+llama.cpp's native ``llama-server -np N`` batches. When benchmarks/.peers/llamacpp-native/llama-server
+exists (built with cmake from the llama.cpp source in the llama-cpp-python sdist, -DLLAMA_CURL=OFF),
+it is measured too.
 """
 
 from __future__ import annotations
@@ -81,6 +83,20 @@ def start_llamacpp(port: int, max_model_len: int, log) -> tuple[subprocess.Popen
     return proc, " ".join(cmd[1:])
 
 
+NATIVE_SERVER = os.path.join(HERE, ".peers", "llamacpp-native", "llama-server")
+
+
+def start_llamacpp_native(port: int, max_model_len: int, log) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's own ``llama-server`` with 64 parallel slots (built from the llama.cpp source
+    vendored in the llama-cpp-python sdist: ``cmake --build build --target llama-server``)."""
+    slots = 64
+    cmd = [NATIVE_SERVER, "-m", default_model_path(), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+           "-tb", "2", "-np", str(slots), "-c", str(256 * slots), "--alias", "SmolLM2-135M-Instruct"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    wait_ready(f"http://127.0.0.1:{port}/health", proc)
+    return proc, " ".join(cmd)
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -103,7 +119,10 @@ def main() -> None:
     log = open(os.path.join(results_dir, "serve_vs_llamacpp_servers.log"), "w")
     runs: list[dict] = []
     commands = {}
-    for name, starter in (("fastdeploy-core", start_ours), ("llama-cpp-python", start_llamacpp)):
+    servers = [("fastdeploy-core", start_ours), ("llama-cpp-python", start_llamacpp)]
+    if os.path.exists(NATIVE_SERVER):
+        servers.append(("llama.cpp llama-server -np 64", start_llamacpp_native))
+    for name, starter in servers:
         port = free_port()
         proc, commands[name] = starter(port, max_model_len, log)
         try:

@@ -126,6 +126,10 @@ class _SamplingFields(OpenAIBaseModel):
                 'response_format type "json_schema" is not supported yet; use "text" or "json_object"',
                 param="response_format",
             )
+        if (self.response_format is not None and self.response_format.type == "json_object"
+                and "response_format.json_object" not in _warned_unknown_fields):
+            _warned_unknown_fields.add("response_format.json_object")
+            logger.warning('response_format "json_object" is accepted, but output is not constrained to JSON yet')
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
         if self.logit_bias:
