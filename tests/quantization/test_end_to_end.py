@@ -220,3 +220,12 @@ def test_default_model_wint4_holds_the_gguf_weights_exactly():
         del llm, model
     assert answers["wint4"] == answers["float32"]
     assert weights["wint4"] < 0.65 * weights["float32"]
+
+
+def test_kv_cache_dtype_int8_flag_uses_the_int8_cache(tiny_dir, float_run):
+    float_tokens, _, _ = float_run
+    core = make_core(tiny_dir, kv_cache_dtype="int8")
+    assert isinstance(core.runner.kv_caches[0][0], QuantizedKVCache)
+    assert core.runner.bytes_per_block == 2 * 2 * 4 * 2 * (32 + 4)  # K+V, 2 layers, 4 slots, 2 heads
+    tokens = generate(core)
+    assert sum(a == b for t, f in zip(tokens, float_tokens) for a, b in zip(t, f)) >= 0.75 * len(PROMPTS) * MAX_NEW
