@@ -432,3 +432,35 @@ def test_abort_requests_endpoint(server):
     t.join(30)
     assert result["r"].status_code == 499
     _wait_idle(server, timeout=5)
+
+
+def test_completion_stream_echo_usage_and_batch(server):
+    body = {"prompt": ["Hello there", "One, two,"], "max_tokens": 4, "temperature": 0, "echo": True, "n": 2,
+            "stream": True, "stream_options": {"include_usage": True}}
+    texts: dict[int, str] = {}
+    usage = None
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers(), timeout=60) as r:
+        assert r.status_code == 200
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    for raw in lines[:-1]:
+        chunk = json.loads(raw)
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+        usage = chunk.get("usage") or usage
+    assert sorted(texts) == [0, 1, 2, 3]
+    assert texts[0].startswith("Hello there") and texts[2].startswith("One, two,")
+    assert texts[0] == texts[1]  # greedy: both choices agree
+    assert usage["completion_tokens"] == 16
+    plain = _post(server, "/v1/completions", {**body, "stream": False, "stream_options": None}).json()
+    assert [c["text"] for c in plain["choices"]] == [texts[i] for i in range(4)]
+
+
+def test_disable_chat_template_sends_raw_text(server):
+    raw = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "The capital of France is"}],
+                                                 "max_tokens": 4, "temperature": 0, "disable_chat_template": True})
+    completion = _post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
+                                                   "temperature": 0})
+    assert raw.status_code == completion.status_code == 200
+    assert raw.json()["choices"][0]["message"]["content"] == completion.json()["choices"][0]["text"]
+    assert raw.json()["usage"]["prompt_tokens"] == completion.json()["usage"]["prompt_tokens"]
