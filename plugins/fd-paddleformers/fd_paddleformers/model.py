@@ -200,7 +200,7 @@ class PaddleFormersForCausalLM(nn.Layer):
             return RMSNorm(int(child.weight.shape[0]), float(child.variance_epsilon))
         if path == "embed_tokens" and type(child) is nn.Embedding:
             num, dim = child.weight.shape
-            return VocabEmbedding(int(num), int(dim))
+            return VocabEmbedding(int(num), int(dim), quant_config=self.quant_config, prefix="model.embed_tokens")
         return None
 
     def _merge_gate_up(self) -> None:

@@ -218,22 +218,52 @@ def test_default_model_through_both_implementations_gives_identical_greedy_token
     assert "The capital of France is Paris." in results["paddleformers"][1]
 
 
+def first_step_logits(core: EngineCore, prompt: list[int]):
+    """The model's logits for the last prompt token, one prefill straight through the runner."""
+    import numpy as np
+    import paddle
+
+    from fastdeploy_core.executor.forward_meta import ForwardMeta
+
+    runner = core.runner
+    num_tokens, block_size = len(prompt), runner.block_size
+    num_blocks = -(-num_tokens // block_size)
+    meta = ForwardMeta(
+        input_ids=paddle.to_tensor(prompt, dtype="int64"),
+        positions=paddle.arange(num_tokens, dtype="int64"),
+        slot_mapping=paddle.arange(num_tokens, dtype="int64"),  # blocks 0.. of an idle engine
+        query_start_loc=np.array([0, num_tokens], dtype=np.int64),
+        seq_lens=np.array([num_tokens], dtype=np.int64),
+        block_tables=np.arange(num_blocks, dtype=np.int64)[None, :],
+        block_size=block_size,
+        logits_indices=paddle.to_tensor([num_tokens - 1], dtype="int64"),
+    )
+    hidden = runner.model(meta, runner.kv_caches)
+    return runner.model.compute_logits(paddle.index_select(hidden, meta.logits_indices, axis=0)).numpy()[0]
+
+
 def test_fallback_linears_take_the_quantization_method(ref):
-    """wint8: every PaddleFormers linear is a core Linear with int8 storage, tokens as native wint8."""
-    path, prompts, max_new = ref["paths"]["llama"], ref["prompts"], ref["max_new"]
+    """wint8: every PaddleFormers linear is a core Linear with int8 storage and computes like native wint8.
+
+    Fused (native) and separate (fallback) projections accumulate in different orders, so the
+    two agree to rounding, far closer than either is to float32.
+    """
+    import numpy as np
+
+    path, prompt = ref["paths"]["llama"], ref["prompts"][1]
     native = make_core(path, model_impl="fastdeploy", quantization="wint8")
     fallback = make_core(path, model_impl="paddleformers", quantization="wint8")
     model = fallback.runner.model
     linears = {name: layer for name, layer in model.named_sublayers() if name.endswith("_proj")}
     # q, k, v, o and down, plus gate and up merged into PaddleFormers' fused up_gate_proj
     assert len(linears) == 2 * 6 and "model.layers.1.mlp.up_gate_proj" in linears
-    linears = list(linears.values())
-    assert all(type(layer.quant_method).__name__ == "WeightOnlyInt8" for layer in linears)
-    assert all(str(layer.weight.dtype) == "paddle.int8" for layer in linears)
-    for i, prompt in enumerate(prompts):
-        got_native = tokens(run(native, [("n", prompt)], max_new), "n")
-        got_fallback = tokens(run(fallback, [("f", prompt)], max_new), "f")
-        assert got_fallback == got_native, f"prompt {i}"
+    assert all(type(layer.quant_method).__name__ == "WeightOnlyInt8" for layer in linears.values())
+    assert all(str(layer.weight.dtype) == "paddle.int8" for layer in linears.values())
+    quantized = first_step_logits(fallback, prompt)
+    gap_to_native = np.abs(quantized - first_step_logits(native, prompt)).max()
+    gap_to_float = np.abs(quantized - first_step_logits(make_core(path, model_impl="paddleformers"), prompt)).max()
+    assert gap_to_native < 1e-3 * np.abs(quantized).max()
+    assert gap_to_float > 20 * gap_to_native
 
 
 def test_fast_rotary_only_replaces_the_rotate_half_form():
