@@ -175,6 +175,9 @@ class QuantizerBase(LinearMethodBase):
     def create_weights(self, layer) -> None:
         """Register the compact storage on ``layer`` (and a float32 bias if it has one)."""
         shapes = self.storage_shapes(layer.input_size, layer.output_size)
+        prepare = getattr(current_ops(), "prepare_quantization", None)
+        if prepare is not None:
+            prepare()  # e.g. build/load the cpu kernels now, at model load, not in the first request
         for tensor_name, (shape, dtype) in shapes.items():
             if tensor_name == "weight" or self.config.is_quantized:
                 param = layer.create_parameter(

@@ -36,6 +36,10 @@ class CpuQuantOps:
             self._kernels_checked = True
         return self._have_kernels
 
+    def prepare_quantization(self) -> None:
+        """Build or load the kernels (called while a quantized model is created)."""
+        self._ready()
+
     def wint8_linear(self, x, weight, scale, group_size: int, bias=None) -> paddle.Tensor:
         if not (self._have_kernels or self._ready()):
             return int8_linear_reference(x, weight, scale, group_size, bias)
