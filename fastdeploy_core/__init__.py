@@ -5,6 +5,12 @@ Public offline API: ``from fastdeploy_core import LLM, SamplingParams``.
 
 from __future__ import annotations
 
+import warnings
+
+# Paddle warns on import that ccache is missing (it only speeds up rebuilding C++ extensions);
+# it is noise on every CLI call.
+warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+
 __version__ = "0.1.0"
 
 #: Version of the plugin contract (hookspecs + registries + Device/ops shape).

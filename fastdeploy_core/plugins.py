@@ -111,7 +111,8 @@ class Registry(Generic[T]):
         return len(self._entries)
 
 
-def _import_target(target: Any) -> Any:
+def import_target(target: Any) -> Any:
+    """Import a registered ``"module:Class"`` target (classes pass through)."""
     if not isinstance(target, str):
         return target
     module_name, _, attr = target.partition(":")
@@ -273,7 +274,7 @@ class PluginManager:
 
     def _check_fallback(self, target: Any, architecture: str, impl: str, hf_config: dict | None) -> str:
         """`` (reason)`` from the fallback's ``supports``; raises when it cannot serve ``hf_config``."""
-        supports = getattr(_import_target(target), "supports", None) if hf_config is not None else None
+        supports = getattr(import_target(target), "supports", None) if hf_config is not None else None
         if supports is None:
             return ""
         ok, reason = supports(hf_config)
@@ -295,7 +296,7 @@ class PluginManager:
     def resolve_model(self, architecture: str, impl: str = "auto", hf_config: dict | None = None) -> type:
         """The model class for ``architecture`` (imported now); see :meth:`model_provider`."""
         target, _, _ = self.model_provider(architecture, impl, hf_config)
-        return _import_target(target)
+        return import_target(target)
 
     def describe(self) -> list[dict]:
         """Every plugin with what it registered, then every failed one, for ``fastdeploy plugins``."""

@@ -26,15 +26,30 @@ app = typer.Typer(
 
 
 @app.command("plugins")
-def plugins_command(as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON.")) -> None:
+def plugins_command(
+    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
+    model: str | None = typer.Option(
+        None, "--model", help="Also say which implementation would serve this model (path; 'default' = embedded)."
+    ),
+    model_impl: str = typer.Option("auto", "--model-impl", help="auto | fastdeploy | paddleformers, with --model."),
+) -> None:
     """List every plugin, its distribution and version, and what it registered."""
     from fastdeploy_core.plugins import get_plugin_manager
 
     manager = get_plugin_manager()
     rows = manager.describe()
+    serving = _model_serving(manager, model, model_impl) if model else None
     if as_json:
-        typer.echo(json.dumps({"plugin_api_version": PLUGIN_API_VERSION, "plugins": rows}, indent=2))
+        report = {"plugin_api_version": PLUGIN_API_VERSION, "plugins": rows}
+        if serving is not None:
+            report["model"] = serving
+        typer.echo(json.dumps(report, indent=2))
         return
+    if serving is not None:
+        typer.echo(
+            f"model {serving['path']} ({serving['architecture']}): served by the {serving['impl']} "
+            f"implementation ({serving['target']}): {serving['reason']}"
+        )
     for row in rows:
         typer.echo(f"{row['name']}  ({row['distribution']} {row['version']})  {row['status']}")
         if row["status"] == "failed":
@@ -43,6 +58,21 @@ def plugins_command(as_json: bool = typer.Option(False, "--json", help="Print ma
         for hook, names in row["registered"].items():
             if names:
                 typer.echo(f"    {hook}: {', '.join(names)}")
+
+
+def _model_serving(manager, model: str, model_impl: str) -> dict:
+    """Which registered implementation serves ``model`` under ``--model-impl``, and why."""
+    from fastdeploy_core.errors import FastDeployError
+    from fastdeploy_core.loader import resolve_model_source
+
+    try:
+        source = resolve_model_source(None if model == "default" else model)
+        target, impl, why = manager.model_provider(source.architecture, model_impl, hf_config=source.hf_config)
+    except FastDeployError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    name = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+    return {"path": source.path, "architecture": source.architecture, "impl": impl, "target": name, "reason": why}
 
 
 def paddle_info() -> dict:

@@ -122,8 +122,15 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def _resolve_model_class(self, pm):
+        from fastdeploy_core.plugins import import_target
+
+        target, impl, why = pm.model_provider(
+            self.source.architecture, self.args.model.model_impl, hf_config=self.source.hf_config
+        )
+        self.model_impl, self.model_impl_reason = impl, why
+        logger.info("model %s is served by the %s implementation: %s", self.source.architecture, impl, why)
         try:
-            return pm.resolve_model(self.source.architecture, self.args.model.model_impl)
+            return import_target(target)
         except ImportError as exc:
             raise self._import_error(pm, exc) from exc
 
@@ -308,6 +315,8 @@ class ModelRunner:
             "model_format": self.source.format,
             "architecture": self.source.architecture,
             "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
+            "model_impl": self.model_impl,
+            "model_impl_reason": self.model_impl_reason,
             "device": self.device_cls.name,
             "attention_backend": self.ops.attention_backend,
             "max_model_len": self.max_model_len,

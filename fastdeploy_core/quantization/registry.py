@@ -89,9 +89,9 @@ def build_quantizer(name: str, settings: dict, plugin_manager, lenient: bool = F
     pm = _registry(plugin_manager)
     cls = pm.quantizers.get(name)
     if isinstance(cls, str):
-        from fastdeploy_core.plugins import _import_target
+        from fastdeploy_core.plugins import import_target
 
-        cls = _import_target(cls)
+        cls = import_target(cls)
     if cls is None:
         registered = ", ".join(sorted(pm.quantizers.keys())) or "none"
         raise QuantizationError(
@@ -115,9 +115,9 @@ def check_device(quantizer: QuantizerBase, device, plugin_manager) -> None:
     for method in quantizer.required_methods():
         cls = pm.quantizers.get(method)
         if isinstance(cls, str):
-            from fastdeploy_core.plugins import _import_target
+            from fastdeploy_core.plugins import import_target
 
-            cls = _import_target(cls)
+            cls = import_target(cls)
         if cls is not None and not getattr(cls, "requires_device_support", True):
             continue
         if method in getattr(device, "quantization_methods", ()):
@@ -196,8 +196,8 @@ def describe_methods(plugin_manager=None) -> dict[str, Any]:
         entry = pm.quantizers.entry(name)
         cls = entry.value
         if isinstance(cls, str):
-            from fastdeploy_core.plugins import _import_target
+            from fastdeploy_core.plugins import import_target
 
-            cls = _import_target(cls)
+            cls = import_target(cls)
         out[name] = {"plugin": entry.plugin, "settings": sorted(cls.config_class.model_fields)}
     return out

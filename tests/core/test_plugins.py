@@ -148,3 +148,19 @@ def test_plugins_json_command_lists_every_plugin():
     assert rows["builtin"]["registered"]["devices"][0] == "cpu"
     assert rows["llama"]["version"] == "0.1.0"
     assert set(rows["llama"]["registered"]) == {"devices", "models", "quantizers", "schedulers"}
+
+
+def test_plugins_command_says_which_implementation_serves_a_model(tmp_path):
+    exe = shutil.which("fastdeploy") or str(Path(sys.executable).parent / "fastdeploy")
+    out = subprocess.run([exe, "plugins", "--json", "--model", "default"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    model = json.loads(out.stdout)["model"]
+    assert model["architecture"] == "LlamaForCausalLM" and model["impl"] == "fastdeploy"
+    assert model["target"] == "fd_llama.llama:LlamaForCausalLM"
+    assert model["reason"] == "native implementation of LlamaForCausalLM"
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    out = subprocess.run(
+        [exe, "plugins", "--model", str(tmp_path), "--model-impl", "fastdeploy"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2
+    assert "no native implementation of 'GPT2LMHeadModel'" in out.stderr
