@@ -224,7 +224,10 @@ def format_summary(s: dict) -> str:
 
 def plot_summaries(summaries: list[tuple[str, dict]], path: str) -> None:
     """Bar charts of throughput and latency for one or more labelled runs."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot-file needs matplotlib: pip install 'fastdeploy-core[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
