@@ -43,7 +43,7 @@ def _load() -> str:
 
 def count_paddle_ops(fn) -> collections.Counter:
     """Paddle ops (eager kernels) dispatched by ``fn()``, by name, from Paddle's CPU profiler."""
-    import paddle.profiler as profiler
+    from paddle import profiler
 
     with tempfile.TemporaryDirectory() as tmp:
         prof = profiler.Profiler(
@@ -127,32 +127,36 @@ def run_engine(args) -> list[dict]:
         r["ops_per_step"] = sum(ops.values()) if ops else None
         r["top_ops"] = dict(ops.most_common(12)) if ops else {}
         results.append(r)
-        print(f"  fastdeploy {name}: {r['wall_ms_per_step']:.1f} ms/step wall, {r['cpu_ms_per_step']:.1f} CPU, "
-              f"{r['ops_per_step']} ops (load {_load()})", file=sys.stderr, flush=True)
+        print(
+            f"  fastdeploy {name}: {r['wall_ms_per_step']:.1f} ms/step wall, {r['cpu_ms_per_step']:.1f} CPU, "
+            f"{r['ops_per_step']} ops (load {_load()})",
+            file=sys.stderr,
+            flush=True,
+        )
     return results
 
 
-# ---- HF transformers peer (own process) ---------------------------------------------------
+# ---- HF transformers peer (own process, any interpreter with torch + transformers) -------
 def run_hf(args) -> list[dict]:
+    """Runs from ``--hf-python`` too: needs torch, transformers (+ gguf, accelerate), not our package."""
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from hf_peer import load_model
 
-    from fastdeploy_core.cli.bench import random_prompts
-
+    with open(args.prompts, encoding="utf-8") as f:
+        job = json.load(f)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    model = load_model(args.model)
-    vocab = model.config.vocab_size
+    model = load_model(job["model"])
     results = []
     with torch.no_grad():
         for name, batch, prompt_len in SCENARIOS:
-            if args.only and name not in args.only:
+            if name not in job["prompts"]:
                 continue
             decode = name.startswith("decode")
             steps = []
-            for it in range(1 + args.iters):
-                ids = torch.tensor(random_prompts(batch, prompt_len, vocab, seed=it))
+            for it, prompts in enumerate(job["prompts"][name]):
+                ids = torch.tensor(prompts)
                 w, c = time.perf_counter(), time.process_time()
                 out = model(input_ids=ids, use_cache=True)
                 token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -170,19 +174,48 @@ def run_hf(args) -> list[dict]:
             r = _summary(name, batch, steps, batch if decode else batch * prompt_len)
             r["ops_per_step"] = None
             results.append(r)
-            print(f"  hf {name}: {r['wall_ms_per_step']:.1f} ms/step wall, {r['cpu_ms_per_step']:.1f} CPU "
-                  f"(load {_load()})", file=sys.stderr, flush=True)
+            print(
+                f"  hf {name}: {r['wall_ms_per_step']:.1f} ms/step wall, {r['cpu_ms_per_step']:.1f} CPU "
+                f"(load {_load()})",
+                file=sys.stderr,
+                flush=True,
+            )
     return results
 
 
+def _hf_job(args, tmp: str) -> str:
+    """The same prompts our engine gets (``random_prompts``, seed = iteration), in a file for the HF child."""
+    from fastdeploy_core.cli.bench import random_prompts
+    from fastdeploy_core.loader import resolve_model_source
+
+    source = resolve_model_source(args.model)
+    vocab = int(source.hf_config["vocab_size"])
+    prompts = {
+        name: [random_prompts(batch, length, vocab, seed=it) for it in range(1 + args.iters)]
+        for name, batch, length in SCENARIOS
+        if not args.only or name in args.only
+    }
+    path = os.path.join(tmp, "hf_job.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"model": source.path, "prompts": prompts}, f)
+    return path
+
+
 def _child(args, stack: str) -> list[dict]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--stack", stack, "--iters", str(args.iters),
-           "--decode-tokens", str(args.decode_tokens), "--json-out", "-"]
-    if args.model:
-        cmd += ["--model", args.model]
-    for o in args.only or ():
-        cmd += ["--only", o]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, cwd=ROOT)
+    python = sys.executable
+    cmd = ["--stack", stack, "--iters", str(args.iters), "--decode-tokens", str(args.decode_tokens)]
+    with tempfile.TemporaryDirectory() as tmp:
+        if stack == "hf":
+            python = args.hf_python or sys.executable
+            cmd += ["--prompts", _hf_job(args, tmp)]
+        else:
+            if args.model:
+                cmd += ["--model", args.model]
+            for o in args.only or ():
+                cmd += ["--only", o]
+        proc = subprocess.run(
+            [python, os.path.abspath(__file__), *cmd], stdout=subprocess.PIPE, text=True, check=True, cwd=ROOT
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -196,12 +229,16 @@ def print_table(ours: list[dict], hf: list[dict] | None) -> None:
     print(sep)
     peer = {r["scenario"]: r for r in hf or []}
     for r in ours:
-        line = (f"| {r['scenario']} | {r['tok_per_s']:.1f} | {r['wall_ms_per_step']:.1f} | "
-                f"{r['cpu_ms_per_step']:.1f} | {r['ops_per_step']} |")
+        line = (
+            f"| {r['scenario']} | {r['tok_per_s']:.1f} | {r['wall_ms_per_step']:.1f} | "
+            f"{r['cpu_ms_per_step']:.1f} | {r['ops_per_step']} |"
+        )
         p = peer.get(r["scenario"])
         if p:
-            line += (f" {p['tok_per_s']:.1f} | {p['cpu_ms_per_step']:.1f} | {r['tok_per_s'] / p['tok_per_s']:.2f}x | "
-                     f"{p['cpu_ms_per_step'] / r['cpu_ms_per_step']:.2f}x |")
+            line += (
+                f" {p['tok_per_s']:.1f} | {p['cpu_ms_per_step']:.1f} | {r['tok_per_s'] / p['tok_per_s']:.2f}x | "
+                f"{p['cpu_ms_per_step'] / r['cpu_ms_per_step']:.2f}x |"
+            )
         print(line)
 
 
@@ -213,13 +250,15 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="decode steps per iteration")
     parser.add_argument("--only", action="append", help="run only this scenario (repeatable)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--hf-python", default=None, help="interpreter of the HF peer (default: this one)")
     parser.add_argument("--stack", choices=("fastdeploy", "hf"), default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.stack:
-        sys.path.insert(0, ROOT)
+        if args.stack == "fastdeploy":
+            sys.path.insert(0, ROOT)
         results = run_engine(args) if args.stack == "fastdeploy" else run_hf(args)
         print(json.dumps(results))
         return
@@ -227,13 +266,25 @@ def main() -> None:
     load_before = _load()
     ours = _child(args, "fastdeploy")
     hf = _child(args, "hf") if args.hf else None
-    print(f"quick_bench {started}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
-          f"{os.cpu_count()} CPUs, load average (1m/5m) {load_before} before, {_load()} after")
+    print(
+        f"quick_bench {started}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
+        f"{os.cpu_count()} CPUs, load average (1m/5m) {load_before} before, {_load()} after"
+    )
     print_table(ours, hf)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"date": started, "load_before": load_before, "load_after": _load(),
-                       "omp_num_threads": os.environ["OMP_NUM_THREADS"], "fastdeploy": ours, "hf": hf}, f, indent=2)
+            json.dump(
+                {
+                    "date": started,
+                    "load_before": load_before,
+                    "load_after": _load(),
+                    "omp_num_threads": os.environ["OMP_NUM_THREADS"],
+                    "fastdeploy": ours,
+                    "hf": hf,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":
