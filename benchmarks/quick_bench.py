@@ -141,7 +141,8 @@ def run_hf(args) -> list[dict]:
     """Runs from ``--hf-python`` too: needs torch, transformers (+ gguf, accelerate), not our package."""
     import torch
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    # hf_peer imports our (pure-Python) default_model helper: the source tree, not the package, is enough
+    sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]
     from hf_peer import load_model
 
     with open(args.prompts, encoding="utf-8") as f:
