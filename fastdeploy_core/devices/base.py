@@ -93,6 +93,13 @@ class Device:
         return cls.paddle_device_type if cls.paddle_device_type == "cpu" else f"{cls.paddle_device_type}:{index}"
 
     @classmethod
+    def zeros(cls, shape: tuple[int, ...] | list[int], dtype: str):
+        """A zero-filled tensor on this device for a long-lived buffer (the paged KV cache)."""
+        import paddle
+
+        return paddle.zeros(list(shape), dtype=dtype)
+
+    @classmethod
     def make_ops(cls, attention_backend: str | None = None):
         """Build this device's ops table, with the chosen attention backend."""
         from fastdeploy_core.devices.reference_ops import ReferenceOps

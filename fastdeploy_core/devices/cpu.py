@@ -50,3 +50,13 @@ class CpuDevice(Device):
             avail = os.sysconf("SC_AVPHYS_PAGES")
             total, free = pages * page_size, avail * page_size
         return MemoryInfo(total_bytes=total, free_bytes=free)
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...] | list[int], dtype: str):
+        """numpy's calloc-backed zeros shared with Paddle through DLPack: no copy, and the OS
+        commits pages only when they are first written, so a large KV budget costs RAM as it fills.
+        (The DLPack capsule keeps the numpy buffer alive as long as the tensor.)"""
+        import numpy as np
+        import paddle
+
+        return paddle.utils.dlpack.from_dlpack(np.zeros(tuple(shape), dtype=dtype))

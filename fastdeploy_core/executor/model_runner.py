@@ -207,24 +207,12 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
         layers, kv_heads, head_dim = self.model.kv_cache_spec()
         if self.kv_quantizer is not None:
-            return [self.kv_quantizer.allocate(num_blocks, self.block_size, kv_heads, head_dim) for _ in range(layers)]
+            return [
+                self.kv_quantizer.allocate(num_blocks, self.block_size, kv_heads, head_dim, zeros=self.device_cls.zeros)
+                for _ in range(layers)
+            ]
         shape = (num_blocks, self.block_size, kv_heads, head_dim)
-        caches = []
-        if self.device_cls.paddle_device_type == "cpu":
-            # numpy's calloc-backed zeros, shared with Paddle through DLPack: no copy, and the
-            # OS commits pages only when the cache first writes them.
-            self._host_buffers = []
-            for _ in range(layers):
-                pair = []
-                for _ in range(2):
-                    buf = np.zeros(shape, dtype=np.float32)
-                    self._host_buffers.append(buf)
-                    pair.append(paddle.utils.dlpack.from_dlpack(buf))
-                caches.append((pair[0], pair[1]))
-            return caches
-        for _ in range(layers):
-            caches.append((paddle.zeros(shape, dtype="float32"), paddle.zeros(shape, dtype="float32")))
-        return caches
+        return [(self.device_cls.zeros(shape, "float32"), self.device_cls.zeros(shape, "float32")) for _ in range(layers)]
 
     # ---- one step --------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> ForwardMeta:

@@ -37,19 +37,11 @@ def dequantize_kv(codes: paddle.Tensor, scale: paddle.Tensor) -> paddle.Tensor:
 class QuantizedKVCache:
     """One layer's K (or V) paged cache in int8 with per-token, per-head scales."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
-        self._host: list[np.ndarray] = []  # keeps DLPack-shared numpy buffers alive
-        self.data = self._zeros([num_blocks, block_size, num_kv_heads, head_dim], "int8")
-        self.scale = self._zeros([num_blocks, block_size, num_kv_heads, 1], "float32")
-
-    def _zeros(self, shape: list[int], dtype: str) -> paddle.Tensor:
-        """Zeros; on the cpu numpy's calloc-backed buffer shared through DLPack, so the OS commits
-        pages only as the cache fills (a large cache budget costs RAM only when used)."""
-        if paddle.get_device() == "cpu":
-            buffer = np.zeros(shape, dtype=dtype)
-            self._host.append(buffer)
-            return paddle.utils.dlpack.from_dlpack(buffer)
-        return paddle.zeros(shape, dtype=dtype)
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, zeros=None):
+        """``zeros(shape, dtype)`` allocates the buffers (the device's ``Device.zeros``)."""
+        zeros = zeros or (lambda shape, dtype: paddle.zeros(shape, dtype=dtype))
+        self.data = zeros([num_blocks, block_size, num_kv_heads, head_dim], "int8")
+        self.scale = zeros([num_blocks, block_size, num_kv_heads, 1], "float32")
 
     @property
     def shape(self) -> list[int]:
@@ -91,11 +83,11 @@ class Int8KVCacheQuantizer:
         return num_kv_heads * (head_dim + 4)
 
     def allocate(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, zeros=None
     ) -> tuple[QuantizedKVCache, QuantizedKVCache]:
         return (
-            QuantizedKVCache(num_blocks, block_size, num_kv_heads, head_dim),
-            QuantizedKVCache(num_blocks, block_size, num_kv_heads, head_dim),
+            QuantizedKVCache(num_blocks, block_size, num_kv_heads, head_dim, zeros),
+            QuantizedKVCache(num_blocks, block_size, num_kv_heads, head_dim, zeros),
         )
 
     def wrap_ops(self, ops) -> Int8KVCacheOps:
