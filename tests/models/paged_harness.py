@@ -13,6 +13,7 @@ import numpy as np
 import paddle
 
 from fastdeploy_core.executor.forward_meta import ForwardMeta
+from fastdeploy_core.testing.batches import build_meta  # shared with the conformance kit
 
 
 @dataclass
@@ -23,33 +24,6 @@ class SeqState:
     block_table: list[int]
     num_computed: int = 0
     generated: list[int] = field(default_factory=list)
-
-
-def build_meta(chunks: list[tuple[list[int], int, list[int]]], block_size: int) -> ForwardMeta:
-    """``chunks``: per sequence ``(new_token_ids, context_len, block_table)`` -> ForwardMeta."""
-    ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
-    width = max(len(bt) for _, _, bt in chunks)
-    tables = np.zeros((len(chunks), width), dtype=np.int64)
-    for b, (new_ids, context_len, block_table) in enumerate(chunks):
-        for i, token in enumerate(new_ids):
-            pos = context_len + i
-            ids.append(token)
-            positions.append(pos)
-            slots.append(block_table[pos // block_size] * block_size + pos % block_size)
-        query_start.append(query_start[-1] + len(new_ids))
-        seq_lens.append(context_len + len(new_ids))
-        tables[b, : len(block_table)] = block_table
-    query_start_loc = np.asarray(query_start, dtype=np.int64)
-    return ForwardMeta(
-        input_ids=paddle.to_tensor(np.asarray(ids, dtype=np.int64)),
-        positions=paddle.to_tensor(np.asarray(positions, dtype=np.int64)),
-        slot_mapping=paddle.to_tensor(np.asarray(slots, dtype=np.int64)),
-        query_start_loc=query_start_loc,
-        seq_lens=np.asarray(seq_lens, dtype=np.int64),
-        block_tables=tables,
-        block_size=block_size,
-        logits_indices=paddle.to_tensor(query_start_loc[1:] - 1),
-    )
 
 
 class PagedHarness:
