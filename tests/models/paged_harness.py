@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
-from fastdeploy_core.executor.forward_meta import ForwardMeta
 from fastdeploy_core.testing.batches import build_meta  # shared with the conformance kit
 
 
