@@ -7,8 +7,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 VENV="${FD_VENV:-.venv}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
-if "$VENV/bin/fastdeploy" serve --help >/dev/null 2>&1; then
-  exec "$VENV/bin/fastdeploy" serve "$@"
-fi
-echo "fastdeploy serve is not available in this build yet; installed plugins:"
-exec "$VENV/bin/fastdeploy" plugins
+exec "$VENV/bin/fastdeploy" serve "$@"
