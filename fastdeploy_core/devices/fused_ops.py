@@ -16,13 +16,13 @@ conformance kit and ``fastdeploy env`` can say what really ran.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
 from fastdeploy_core.devices.kernels import dtype_name, has_kernel, place_backends
+from fastdeploy_core.devices.padded_batch import PaddedBatch
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 
 try:
@@ -164,39 +164,22 @@ def _sdpa_state(meta, block_size: int) -> dict:
     ``[B, max_kv]``; the additive mask hides future positions and the padding beyond each
     sequence's length. Padded query rows are dropped again after attention.
     """
-    seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
-    query_start = np.asarray(meta.query_start_loc, dtype=np.int64)
-    query_lens = np.diff(query_start)
-    context_lens = seq_lens - query_lens
-    batch = int(seq_lens.shape[0])
-    max_q = int(query_lens.max())
-    num_blocks = int(math.ceil(int(seq_lens.max()) / block_size))
-    max_kv = num_blocks * block_size
-    table = np.asarray(meta.block_tables, dtype=np.int64)
-    if table.shape[1] < num_blocks:
-        raise ValueError(
-            f"block_tables has {table.shape[1]} columns but a sequence of {int(seq_lens.max())} tokens "
-            f"needs {num_blocks} blocks of {block_size}"
-        )
-    q_offset = np.arange(max_q, dtype=np.int64)
-    kv_pos = np.arange(max_kv, dtype=np.int64)
-    q_pos = context_lens[:, None] + q_offset[None, :]  # [B, max_q]
-    visible = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < seq_lens[:, None, None])
+    geo = PaddedBatch.from_meta(meta, block_size)
     state = {
-        "batch": batch,
-        "max_q": max_q,
-        "max_kv": max_kv,
-        "block_ids": paddle.to_tensor(table[:, :num_blocks].reshape(-1)),
+        "batch": geo.batch,
+        "max_q": geo.max_q,
+        "max_kv": geo.max_kv,
+        "block_ids": paddle.to_tensor(geo.block_table.reshape(-1)),
         "pad_rows": None,
         "unpad_rows": None,
         "mask": None,
     }
+    visible = geo.visible()
     if not visible.all():
         mask = np.where(visible, 0.0, -np.inf).astype(np.float32)[:, None, :, :]  # [B, 1, max_q, max_kv]
         state["mask"] = paddle.to_tensor(mask)
-    if batch > 1 and not np.all(query_lens == max_q):
-        real = q_offset[None, :] < query_lens[:, None]
-        rows = np.where(real, query_start[:-1, None] + q_offset[None, :], 0)
-        state["pad_rows"] = paddle.to_tensor(rows.reshape(-1))
-        state["unpad_rows"] = paddle.to_tensor(np.nonzero(real.reshape(-1))[0].astype(np.int64))
+    if geo.batch > 1 and not np.all(geo.query_lens == geo.max_q):
+        rows, unpad = geo.pad_rows()
+        state["pad_rows"] = paddle.to_tensor(rows)
+        state["unpad_rows"] = paddle.to_tensor(unpad)
     return state

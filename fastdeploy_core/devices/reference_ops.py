@@ -19,6 +19,8 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from fastdeploy_core.devices.padded_batch import PaddedBatch
+
 try:  # present in CPU builds of Paddle 3.x; the plain formulas below are the fallback
     from paddle.incubate.nn.functional import fused_rms_norm as _fused_rms_norm
     from paddle.nn.functional import swiglu as _swiglu
@@ -267,45 +269,27 @@ class ReferenceOps:
 
     def _build_attention_state(self, meta, block_size: int) -> dict:
         """Host-side index math of one step, turned into device tensors once for all layers."""
-        seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
-        query_start = np.asarray(meta.query_start_loc, dtype=np.int64)
-        query_lens = np.diff(query_start)
-        context_lens = seq_lens - query_lens
-        batch = int(seq_lens.shape[0])
-        max_q = int(query_lens.max())
-        num_blocks = -(-int(seq_lens.max()) // block_size)
-        max_kv = num_blocks * block_size
-        block_table = np.asarray(meta.block_tables, dtype=np.int64)[:, :num_blocks]
-        if block_table.shape[1] < num_blocks:
-            raise ValueError(
-                f"block_tables has {block_table.shape[1]} columns but a sequence of "
-                f"{int(seq_lens.max())} tokens needs {num_blocks} blocks of {block_size}"
-            )
+        geo = PaddedBatch.from_meta(meta, block_size)
         state = {
-            "batch": batch,
-            "max_q": max_q,
-            "max_kv": max_kv,
-            "block_ids": paddle.to_tensor(block_table.reshape(-1)),
-            "block_table": block_table,
+            "batch": geo.batch,
+            "max_q": geo.max_q,
+            "max_kv": geo.max_kv,
+            "block_ids": paddle.to_tensor(geo.block_table.reshape(-1)),
+            "block_table": geo.block_table,
             "block_size": block_size,
             "pad_rows": None,
             "unpad_rows": None,
             "mask": None,
         }
-        kv_pos = np.arange(max_kv, dtype=np.int64)
-        if max_q == 1:
-            if batch > 1 or int(seq_lens[0]) != max_kv:
-                visible = kv_pos[None, :] < seq_lens[:, None]  # [B, max_kv]
+        if geo.max_q == 1:
+            if geo.batch > 1 or int(geo.seq_lens[0]) != geo.max_kv:
+                visible = np.arange(geo.max_kv, dtype=np.int64)[None, :] < geo.seq_lens[:, None]  # [B, max_kv]
                 state["mask"] = paddle.to_tensor(np.where(visible, 0.0, -np.inf).astype(np.float32)[:, None, None, :])
             return state
-        q_offset = np.arange(max_q, dtype=np.int64)
-        q_pos = context_lens[:, None] + q_offset[None, :]  # [B, max_q]
-        visible = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < seq_lens[:, None, None])
-        mask = np.where(visible, 0.0, -np.inf).astype(np.float32)  # [B, max_q, max_kv]
+        mask = np.where(geo.visible(), 0.0, -np.inf).astype(np.float32)  # [B, max_q, max_kv]
         state["mask"] = paddle.to_tensor(mask[:, None, None, :, :])
-        if batch > 1 or max_q != int(query_lens[0]):
-            real = q_offset[None, :] < query_lens[:, None]  # [B, max_q]
-            rows = np.where(real, query_start[:-1, None] + q_offset[None, :], 0)
-            state["pad_rows"] = paddle.to_tensor(rows.reshape(-1))
-            state["unpad_rows"] = paddle.to_tensor(np.nonzero(real.reshape(-1))[0].astype(np.int64))
+        if geo.batch > 1 or geo.max_q != int(geo.query_lens[0]):
+            rows, unpad = geo.pad_rows()
+            state["pad_rows"] = paddle.to_tensor(rows)
+            state["unpad_rows"] = paddle.to_tensor(unpad)
         return state
