@@ -72,6 +72,17 @@ class ReferenceOps:
         """Rows of ``weight [V, H]`` for ``ids [T]`` -> ``[T, H]``."""
         return paddle.index_select(weight, ids, axis=0)
 
+    def prepare_linear_weight(self, weight: paddle.Tensor) -> paddle.Tensor | None:
+        """The layout this table's linear ops read fastest, for a loaded weight ``[rows, out]``.
+
+        Called once per linear layer after loading, with the float32 ``[in, out]`` weight or
+        a quantizer's weight storage (int8 ``[in, out]``, int4 ``[in / 2, out]``, fp8). ``None``
+        (here) keeps the layout; a table that returns a tensor gets it as the layer's weight, and
+        its :meth:`linear` and quantized linear ops must accept it (the cpu device packs column
+        tiles, see :class:`fastdeploy_core.quantization.cpu_ops.CpuOps`).
+        """
+        return None
+
     def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
         """``x [..., in] @ weight [in, out] (+ bias)`` -> ``[..., out]``."""
         if bias is None:

@@ -19,7 +19,7 @@ from paddle import nn
 
 from fastdeploy_core.devices.current import current_ops
 from fastdeploy_core.errors import ModelLoadError
-from fastdeploy_core.layers.weights import as_float32, new_parameter
+from fastdeploy_core.layers.weights import as_float32, new_parameter, replace_parameter
 
 
 class LinearMethodBase:
@@ -30,20 +30,20 @@ class LinearMethodBase:
     shards are in; ``apply(layer, x)`` computes ``x @ W (+ b)``.
     """
 
-    def create_weights(self, layer: "Linear") -> None:
+    def create_weights(self, layer: Linear) -> None:
         raise NotImplementedError
 
-    def process_weights_after_loading(self, layer: "Linear") -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:
         """Hook after loading; nothing to do for plain float32 weights."""
 
-    def apply(self, layer: "Linear", x: paddle.Tensor) -> paddle.Tensor:
+    def apply(self, layer: Linear, x: paddle.Tensor) -> paddle.Tensor:
         raise NotImplementedError
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """Float32 weight ``[in, out]`` (+ optional bias ``[out]``), applied by ``ops.linear``."""
 
-    def create_weights(self, layer: "Linear") -> None:
+    def create_weights(self, layer: Linear) -> None:
         layer.weight = new_parameter(layer, [layer.input_size, layer.output_size])
         layer.weight.weight_loader = layer.weight_loader
         if layer.has_bias:
@@ -52,7 +52,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         else:
             layer.bias = None
 
-    def apply(self, layer: "Linear", x: paddle.Tensor) -> paddle.Tensor:
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Let the device store the weight in the layout its ``linear`` reads fastest."""
+        prepared = current_ops().prepare_linear_weight(layer.weight)
+        if prepared is not None:
+            replace_parameter(layer, "weight", prepared)
+
+    def apply(self, layer: Linear, x: paddle.Tensor) -> paddle.Tensor:
         return current_ops().linear(x, layer.weight, layer.bias)
 
 
@@ -162,4 +168,6 @@ class QKVLinear(MergedColumnLinear):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias=bias, quant_config=quant_config, prefix=prefix, shard_names=("q", "k", "v"))
+        super().__init__(
+            hidden_size, sizes, bias=bias, quant_config=quant_config, prefix=prefix, shard_names=("q", "k", "v")
+        )

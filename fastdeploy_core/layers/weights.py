@@ -16,6 +16,15 @@ def new_parameter(layer: nn.Layer, shape: list[int], fill: float = 0.0) -> paddl
     return param
 
 
+def replace_parameter(layer: nn.Layer, name: str, value: paddle.Tensor) -> paddle.Tensor:
+    """Make ``layer.<name>`` a new inference parameter holding ``value`` (its shape and dtype)."""
+    param = layer.create_parameter(list(value.shape), dtype=value.dtype, default_initializer=nn.initializer.Constant(0))
+    param.stop_gradient = True
+    param.set_value(value)
+    setattr(layer, name, param)
+    return param
+
+
 def as_float32(loaded) -> np.ndarray:
     """A checkpoint tensor as a float32 numpy array (no copy when it already is one)."""
     return np.asarray(loaded, dtype=np.float32)

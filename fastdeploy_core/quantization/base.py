@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from fastdeploy_core.devices.current import current_ops
 from fastdeploy_core.errors import ModelLoadError, QuantizationError
 from fastdeploy_core.layers.linear import LinearMethodBase
-from fastdeploy_core.layers.weights import new_parameter
+from fastdeploy_core.layers.weights import new_parameter, replace_parameter
 
 
 class QuantizerConfig(BaseModel):
@@ -370,7 +370,12 @@ class QuantizerBase(LinearMethodBase):
         return self._op(x, *args)
 
     def process_weights_after_loading(self, layer) -> None:
-        """Forget cached op arguments (storage may have been replaced while loading)."""
+        """Let the device lay the weight storage out as its op reads it fastest; forget cached
+        op arguments (storage may have been replaced while loading)."""
+        if self.device_op and hasattr(current_ops(), self.device_op):
+            prepared = current_ops().prepare_linear_weight(layer.weight)
+            if prepared is not None:
+                replace_parameter(layer, "weight", prepared)
         layer.__dict__.pop("_quant_op_args", None)
 
     def storage_bytes(self, layer) -> int:
@@ -383,6 +388,24 @@ class QuantizerBase(LinearMethodBase):
 
 def is_lm_head(prefix: str) -> bool:
     return prefix == "lm_head" or prefix.endswith(".lm_head")
+
+
+#: Columns per tile of the packed weight layout (``kCols`` in ``csrc/weight_only_gemm.cc``).
+PACK_COLUMNS = 32
+
+
+def pack_column_tiles(weight: paddle.Tensor) -> paddle.Tensor:
+    """``[rows, N]`` -> ``[N / 32, rows, 32]``: each 32-column tile one contiguous block (any dtype)."""
+    rows, cols = (int(n) for n in weight.shape)
+    return weight.reshape([rows, cols // PACK_COLUMNS, PACK_COLUMNS]).transpose([1, 0, 2]).contiguous()
+
+
+def unpack_column_tiles(weight: paddle.Tensor) -> paddle.Tensor:
+    """The ``[rows, N]`` storage of a weight, whether packed by :func:`pack_column_tiles` or not."""
+    if weight.ndim != 3:
+        return weight
+    tiles, rows, cols = (int(n) for n in weight.shape)
+    return weight.transpose([1, 0, 2]).reshape([rows, tiles * cols])
 
 
 def add_bias(y: paddle.Tensor, bias: paddle.Tensor | None) -> paddle.Tensor:

@@ -12,7 +12,7 @@ import paddle
 from paddle import _C_ops
 
 from fastdeploy_core.devices.reference_ops import ReferenceOps
-from fastdeploy_core.quantization.base import add_bias
+from fastdeploy_core.quantization.base import PACK_COLUMNS, add_bias, pack_column_tiles
 from fastdeploy_core.quantization.fp8 import fp8_linear_reference
 from fastdeploy_core.quantization.kernels import load_kernels
 from fastdeploy_core.quantization.weight_only import int4_linear_reference, int8_linear_reference
@@ -67,4 +67,22 @@ class CpuQuantOps:
 
 
 class CpuOps(CpuQuantOps, ReferenceOps):
-    """The cpu device's ops table: plain-Paddle reference ops plus the quantized linear kernels."""
+    """The cpu device's ops table: plain-Paddle reference ops plus the C++ linear kernels.
+
+    Linear weights (float32 and quantized storage) are stored packed, ``[out / 32, rows, 32]`` (each 32-column tile one
+    contiguous stream), and multiplied by ``fd_f32_linear``: on this machine a batch-1 decode
+    reads them at ~25-40 GB/s instead of MKL's ~15 (rows of a row-major ``[in, out]`` weight
+    are 128-byte pieces 4*out bytes apart, which the hardware prefetcher does not follow), and
+    batch 16 runs 8-row register tiles. Weights whose width is not a multiple of 32 stay
+    ``[in, out]`` on Paddle's matmul, as does everything when the kernels cannot build.
+    """
+
+    def prepare_linear_weight(self, weight: paddle.Tensor) -> paddle.Tensor | None:
+        if weight.ndim != 2 or weight.shape[1] % PACK_COLUMNS != 0 or not (self._have_kernels or self._ready()):
+            return None
+        return pack_column_tiles(weight)
+
+    def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+        if weight.ndim == 3:  # packed by prepare_linear_weight
+            return add_bias(_run("fd_f32_linear", x, weight)[0], bias)
+        return ReferenceOps.linear(self, x, weight, bias)

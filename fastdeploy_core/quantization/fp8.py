@@ -17,13 +17,21 @@ import numpy as np
 import paddle
 from pydantic import Field, field_validator
 
-from fastdeploy_core.quantization.base import QuantizerBase, QuantizerConfig, add_bias, expand_groups, num_groups
+from fastdeploy_core.quantization.base import (
+    QuantizerBase,
+    QuantizerConfig,
+    add_bias,
+    expand_groups,
+    num_groups,
+    unpack_column_tiles,
+)
 
 FP8_E4M3_MAX = 448.0
 
 
 def fp8_weight(weight: paddle.Tensor, scale: paddle.Tensor, block_rows: int) -> paddle.Tensor:
-    """Float32 ``[K, N]`` from e4m3 values and per-block scales ``[Kb, N]``."""
+    """Float32 ``[K, N]`` from e4m3 values (``[K, N]`` or packed column tiles) and per-block scales ``[Kb, N]``."""
+    weight = unpack_column_tiles(weight)
     return weight.astype("float32") * expand_groups(scale, block_rows, int(weight.shape[0]))
 
 

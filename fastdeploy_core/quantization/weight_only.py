@@ -31,18 +31,21 @@ from fastdeploy_core.quantization.base import (
     grouped_abs_max,
     num_groups,
     repeat_rows,
+    unpack_column_tiles,
 )
 
 
 # ---- the formulas every device op must match ----------------------------------------------------
 def int8_weight(weight: paddle.Tensor, scale: paddle.Tensor, group_size: int) -> paddle.Tensor:
-    """Float32 ``[K, N]`` from int8 codes and group scales."""
+    """Float32 ``[K, N]`` from int8 codes (``[K, N]`` or packed column tiles) and group scales."""
+    weight = unpack_column_tiles(weight)
     rows = int(weight.shape[0])
     return weight.astype("float32") * expand_groups(scale, group_size, rows)
 
 
 def int4_codes(packed: paddle.Tensor) -> paddle.Tensor:
-    """``uint8 [K / 2, N]`` -> float32 codes ``[K, N]`` in [0, 15] (rows interleaved back)."""
+    """``uint8 [K / 2, N]`` (or packed column tiles) -> float32 codes ``[K, N]`` in [0, 15] (rows interleaved back)."""
+    packed = unpack_column_tiles(packed)
     wide = packed.astype("int32")
     low = paddle.bitwise_and(wide, paddle.full([], 15, dtype="int32"))
     high = paddle.bitwise_right_shift(wide, paddle.full([], 4, dtype="int32"))
