@@ -234,6 +234,35 @@ class ReferenceOps:
             out = paddle.index_select(out, state["unpad_rows"], axis=0)
         return out
 
+    def rope_paged_attention(
+        self,
+        qkv: paddle.Tensor,
+        positions: paddle.Tensor,
+        cos_sin_cache: paddle.Tensor,
+        k_cache,
+        v_cache,
+        meta,
+        num_heads: int,
+        num_kv_heads: int,
+        scale: float,
+    ) -> paddle.Tensor:
+        """The attention block between the QKV and output projections, as one op.
+
+        ``qkv [T, (h + 2 kvh) * d]`` (a fused projection, heads in q, k, v order): rotate the
+        query and key heads (:meth:`rotary_embedding`), store keys and values
+        (:meth:`write_kv_cache`), attend (:meth:`paged_attention`). Returns ``[T, h * d]``.
+        Here it is those three ops; a device may fuse them (the cpu device does).
+        """
+        head_dim = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
+        qkv = qkv.reshape([-1, num_heads + 2 * num_kv_heads, head_dim])
+        # Rotate Q and K heads together: one set of RoPE ops instead of two.
+        qk, v = paddle.split(qkv, [num_heads + num_kv_heads, num_kv_heads], axis=1)
+        qk, _ = self.rotary_embedding(positions, qk, None, cos_sin_cache)
+        q, k = paddle.split(qk, [num_heads, num_kv_heads], axis=1)
+        self.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.paged_attention(q, k_cache, v_cache, meta, scale)
+        return out.reshape([-1, num_heads * head_dim])
+
     @staticmethod
     def _kv_rows(state: dict, num_kv_heads: int) -> paddle.Tensor:
         """Rows of the ``[num_blocks * block_size * kvh, d]`` cache view, in ``[B, kvh, max_kv]`` order."""

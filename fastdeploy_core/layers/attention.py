@@ -30,3 +30,20 @@ class Attention(nn.Layer):
         k_cache, v_cache = kv_cache
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+
+    def forward_qkv(self, qkv: paddle.Tensor, positions: paddle.Tensor, rotary, kv_cache, meta) -> paddle.Tensor:
+        """From a fused QKV projection ``[T, (h + 2 kvh) * d]``: rotary embedding of Q and K by
+        ``rotary`` (a :class:`~fastdeploy_core.layers.rotary.RotaryEmbedding`), KV write and
+        attention, as the device's one ``rope_paged_attention`` op. Returns ``[T, h * d]``."""
+        k_cache, v_cache = kv_cache
+        return current_ops().rope_paged_attention(
+            qkv,
+            positions,
+            rotary.cos_sin_cache,
+            k_cache,
+            v_cache,
+            meta,
+            self.num_heads,
+            self.num_kv_heads,
+            self.scale,
+        )

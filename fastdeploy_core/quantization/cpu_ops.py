@@ -8,6 +8,7 @@ computes exactly its ``reference_op``; when the kernels cannot be built (see
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 from paddle import _C_ops
 
@@ -86,3 +87,48 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         if weight.ndim == 3:  # packed by prepare_linear_weight
             return add_bias(_run("fd_f32_linear", x, weight)[0], bias)
         return ReferenceOps.linear(self, x, weight, bias)
+
+    #: Longest query run (tokens of one sequence in one step) the C++ attention takes; longer
+    #: prefills use the reference's batched matmuls, which reuse each key across many queries.
+    kernel_attention_max_query: int = 16
+
+    def rope_paged_attention(
+        self, qkv, positions, cos_sin_cache, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float
+    ) -> paddle.Tensor:
+        """``fd_rope_write_kv`` then ``fd_paged_attention`` (or, for long prefills, the reference
+        attention over the caches the first op filled): 2 ops per layer instead of ~20."""
+        if (
+            not (self._have_kernels or self._ready())
+            or not isinstance(k_cache, paddle.Tensor)
+            or k_cache.dtype != paddle.float32
+            or qkv.ndim != 2
+        ):
+            return ReferenceOps.rope_paged_attention(
+                self, qkv, positions, cos_sin_cache, k_cache, v_cache, meta, num_heads, num_kv_heads, scale
+            )
+        q = _run(
+            "fd_rope_write_kv", qkv, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, num_heads, num_kv_heads
+        )[0]
+        state = meta.attn_state.get("cpu_kernel")
+        if state is None:
+            state = meta.attn_state["cpu_kernel"] = self._kernel_attention_state(meta)
+        if state is False:
+            out = self.paged_attention(q, k_cache, v_cache, meta, scale)
+        else:
+            out = _run("fd_paged_attention", q, k_cache, v_cache, *state, scale)[0]
+        return out.reshape([-1, qkv.shape[1] // (num_heads + 2 * num_kv_heads) * num_heads])
+
+    def _kernel_attention_state(self, meta):
+        """The step's ``(query_start, seq_lens, block_tables)`` as int64 tensors, made once for
+        all layers; ``False`` when a query run is too long for the kernel."""
+        query_start = np.asarray(meta.query_start_loc, dtype=np.int64)
+        if query_start.size > 1 and int(np.diff(query_start).max()) > self.kernel_attention_max_query:
+            return False
+        seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
+        tables = np.asarray(meta.block_tables, dtype=np.int64)
+        width = max(1, int(-(-seq_lens.max() // meta.block_size))) if seq_lens.size else 1
+        return (
+            paddle.to_tensor(query_start),
+            paddle.to_tensor(seq_lens),
+            paddle.to_tensor(np.ascontiguousarray(tables[:, :width])),
+        )

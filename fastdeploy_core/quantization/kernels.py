@@ -1,6 +1,7 @@
-"""The cpu quantization kernels: C++ custom ops built once per machine, loaded on first use.
+"""The cpu device's C++ kernels: custom ops built once per machine, loaded on first use.
 
-``csrc/weight_only_gemm.cc`` is compiled with ``paddle.utils.cpp_extension`` (gcc,
+``csrc/weight_only_gemm.cc`` (float32 and quantized linear layers) and ``csrc/paged_attention.cc``
+(rotary + KV write, paged attention) are compiled with ``paddle.utils.cpp_extension`` (gcc,
 ``-O3 -march=native``, its own thread pool) into a cache directory (``$FD_KERNEL_CACHE``, default
 ``~/.cache/fastdeploy/kernels``) under a name that hashes the source, the flags, the Paddle
 version and the CPU's feature flags, so a changed source or another machine builds afresh and
@@ -8,8 +9,8 @@ an unchanged one loads the cached library in well under a second. A file lock ke
 concurrent processes from building the same library twice.
 
 When the build fails (no compiler, no Python headers) or ``FD_DISABLE_QUANT_KERNELS=1`` is
-set, :func:`load_kernels` returns ``None`` and logs why once; the quantizers then run their
-plain-Paddle reference path.
+set, :func:`load_kernels` returns ``None`` and logs why once; the cpu ops then run their
+plain-Paddle reference path (and keep weights in the plain layout).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "weight_only_gemm.cc",)
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = (_CSRC / "weight_only_gemm.cc", _CSRC / "paged_attention.cc")
+HEADERS = (_CSRC / "thread_pool.h",)
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
 LD_FLAGS = ["-pthread"]
 DISABLE_ENV = "FD_DISABLE_QUANT_KERNELS"
@@ -60,7 +63,7 @@ def library_name() -> str:
     import paddle
 
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(CXX_FLAGS + LD_FLAGS).encode())
     digest.update(paddle.__version__.encode())
@@ -92,7 +95,8 @@ def _build(name: str, build_dir: Path):
 
 
 def load_kernels():
-    """The kernel module (``fd_int8_linear``, ``fd_int4_linear``, ``fd_fp8_linear``) or ``None``."""
+    """The kernel module (``fd_f32_linear``, ``fd_int8_linear``, ``fd_int4_linear``, ``fd_fp8_linear``,
+    ``fd_rope_write_kv``, ``fd_paged_attention``) or ``None``."""
     global _module, _failure, _tried
     if _tried:
         return _module

@@ -21,6 +21,8 @@ import copy
 import numpy as np
 import paddle
 
+from fastdeploy_core.devices.reference_ops import ReferenceOps
+
 
 def quantize_kv(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
     """``x [..., d]`` -> int8 codes ``[..., d]`` and float32 scales ``[..., 1]`` (per vector)."""
@@ -102,6 +104,10 @@ class Int8KVCacheOps:
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
+
+    # The composed form, bound to this table so it writes and reads the int8 caches (the
+    # wrapped table's fused version expects float caches).
+    rope_paged_attention = ReferenceOps.rope_paged_attention
 
     def write_kv_cache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         block_size = k_cache.shape[1]

@@ -312,6 +312,7 @@ ATTENTION_SCENARIOS: dict[str, list[tuple[int, int]]] = {
     "prefill": [(9, 0), (3, 0), (16, 0)],
     "decode": [(1, 12), (1, 3), (1, 31)],
     "prefix_cached_chunked": [(5, 8), (1, 17), (8, 0), (3, 4)],
+    "long_prefill_with_decodes": [(1, 14), (37, 6), (1, 2)],
 }
 
 
@@ -344,6 +345,42 @@ def check_paged_attention(target: Target, scenario: str, backend: str, dtype: st
         ops.write_kv_cache(_to(k, dtype), _to(v, dtype), tk, tv, meta.slot_mapping)
         got = _np(ops.paged_attention(_to(q, dtype), tk, tv, meta, scale))
     assert_close(got, want, dtype, f"paged_attention[{backend}] {scenario}")
+
+
+def check_rope_paged_attention(target: Target, scenario: str, backend: str, dtype: str, seed: int = 0) -> None:
+    """The fused attention block (rotary, KV write, attention from a QKV projection) vs the
+    reference's three ops: the output and both caches afterwards."""
+    rng = np.random.default_rng(seed + 1)
+    heads, kv_heads, d, bs, nb = 6, 2, 16, 4, 64
+    pool = BlockPool(nb, seed=seed)
+    specs = ATTENTION_SCENARIOS[scenario]
+    chunks = [(list(range(q)), ctx, pool.take(blocks_for(q + ctx, bs))) for q, ctx in specs]
+    k_cache = rng.standard_normal((nb, bs, kv_heads, d)).astype(np.float32)
+    v_cache = rng.standard_normal((nb, bs, kv_heads, d)).astype(np.float32)
+    total = sum(q for q, _ in specs)
+    qkv = rng.standard_normal((total, (heads + 2 * kv_heads) * d)).astype(np.float32)
+    table = cos_sin_cache(d, 128).astype(np.float32)
+    scale = d**-0.5
+    args = (heads, kv_heads, scale)
+
+    with paddle.device.device_guard("cpu"):
+        meta = build_meta(chunks, bs)
+        rk, rv = paddle.to_tensor(k_cache), paddle.to_tensor(v_cache)
+        want = ReferenceOps().rope_paged_attention(
+            paddle.to_tensor(qkv), meta.positions, paddle.to_tensor(table), rk, rv, meta, *args
+        )
+        want, want_k, want_v = want.numpy(), rk.numpy(), rv.numpy()
+
+    with target.placed():
+        ops = target.make_ops(backend)
+        meta = build_meta(chunks, bs)
+        tk, tv = _to(k_cache, dtype), _to(v_cache, dtype)
+        got = _np(ops.rope_paged_attention(_to(qkv, dtype), meta.positions, _to(table, dtype), tk, tv, meta, *args))
+        got_k, got_v = _np(tk), _np(tv)
+    assert got.shape == (total, heads * d), f"rope_paged_attention returned {got.shape}, expected {(total, heads * d)}"
+    assert_close(got, want, dtype, f"rope_paged_attention[{backend}] {scenario}")
+    assert_close(got_k, want_k, dtype, f"rope_paged_attention[{backend}] {scenario}: k_cache")
+    assert_close(got_v, want_v, dtype, f"rope_paged_attention[{backend}] {scenario}: v_cache")
 
 
 # ---- end to end ---------------------------------------------------------------------------------

@@ -89,13 +89,8 @@ class LlamaAttention(nn.Layer):
         self.attn = Attention(dims.num_heads, dims.head_dim, dims.num_kv_heads)
 
     def forward(self, positions: paddle.Tensor, hidden: paddle.Tensor, kv_cache, meta: ForwardMeta) -> paddle.Tensor:
-        qkv = self.qkv_proj(hidden).reshape([-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim])
-        # Rotate Q and K heads together: one set of RoPE ops instead of two.
-        qk, v = paddle.split(qkv, [self.num_heads + self.num_kv_heads, self.num_kv_heads], axis=1)
-        qk, _ = self.rotary_emb(positions, qk, None)
-        q, k = paddle.split(qk, [self.num_heads, self.num_kv_heads], axis=1)
-        out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape([-1, self.num_heads * self.head_dim]))
+        qkv = self.qkv_proj(hidden)
+        return self.o_proj(self.attn.forward_qkv(qkv, positions, self.rotary_emb, kv_cache, meta))
 
 
 class LlamaMLP(nn.Layer):

@@ -1,0 +1,264 @@
+// Attention ops of the cpu device over the paged KV cache, one op call per layer each.
+//
+// fd_rope_write_kv: from a fused QKV projection [T, (h + 2 kvh) * d], rotate the query and key
+//   heads by their positions (HF rotate_half style, from the engine's cos/sin table
+//   [max_positions, 2, d] whose second row is the signed sin [-sin, sin]: out = x * cos +
+//   roll(x, d / 2) * sin), write the rotated keys and the values into the caches at the
+//   tokens' slots, and return the rotated queries [T, h, d]. It replaces ~10 small Paddle ops
+//   (split, gather, roll, multiply, add, two scatters) per layer.
+//
+// fd_paged_attention: causal attention of every new token over its sequence's cached context,
+//   for any mix of decode and prefill rows: token i of sequence b (query rows
+//   [query_start[b], query_start[b + 1])) sits at position seq_lens[b] - q_len + i and sees the
+//   keys at positions 0 .. that position, read block by block through block_tables. Grouped
+//   query heads that share a KV head are computed together, so each key and value row is
+//   loaded once per group. Softmax in float32 with the maximum subtracted. One work item is
+//   (query token, KV head); the pool's threads claim items.
+//
+// The caches are [num_blocks, block_size, kvh, d] float32 and are written in place: they are
+// the engine's long-lived KV buffers, not values of a graph (the ops run eagerly on the cpu).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "paddle/extension.h"
+#include "thread_pool.h"
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float hsum(f32x16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  int64_t i = 0;
+  float s = 0.f;
+  if (d >= 16) {
+    f32x16 acc{};
+    for (; i + 16 <= d; i += 16) acc += load16(a + i) * load16(b + i);
+    s = hsum(acc);
+  }
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y += w * x over d floats.
+inline void axpy(float w, const float* x, float* y, int64_t d) {
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) store16(y + i, load16(y + i) + w * load16(x + i));
+  for (; i < d; ++i) y[i] += w * x[i];
+}
+
+inline void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) out[i] = x[i] * cos[i] + x[(i + half) % d] * sin[i];
+}
+
+void check_cache(const paddle::Tensor& cache, const char* name, int64_t kvh, int64_t d) {
+  PD_CHECK(cache.dtype() == paddle::DataType::FLOAT32 && cache.shape().size() == 4, name,
+           " must be float32 [num_blocks, block_size, kvh, d]");
+  PD_CHECK(cache.shape()[2] == kvh && cache.shape()[3] == d, name, " has ", cache.shape()[2], " heads of ",
+           cache.shape()[3], ", expected ", kvh, " of ", d);
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle::Tensor& positions,
+                                        const paddle::Tensor& cos_sin, const paddle::Tensor& k_cache,
+                                        const paddle::Tensor& v_cache, const paddle::Tensor& slots, int64_t num_heads,
+                                        int64_t num_kv_heads) {
+  PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32 && qkv.shape().size() == 2, "qkv must be float32 [T, (h + 2 kvh) * d]");
+  PD_CHECK(num_heads > 0 && num_kv_heads > 0, "head counts must be positive");
+  const int64_t T = qkv.shape()[0], width = qkv.shape()[1], heads = num_heads + 2 * num_kv_heads;
+  PD_CHECK(width % heads == 0, "qkv width ", width, " is not a multiple of h + 2 kvh = ", heads);
+  const int64_t d = width / heads;
+  PD_CHECK(d % 2 == 0, "the head size must be even for rotary embeddings");
+  PD_CHECK(cos_sin.dtype() == paddle::DataType::FLOAT32 && cos_sin.shape().size() == 3 && cos_sin.shape()[1] == 2 &&
+               cos_sin.shape()[2] == d,
+           "cos_sin must be float32 [max_positions, 2, d]");
+  PD_CHECK(positions.dtype() == paddle::DataType::INT64 && positions.numel() == T, "positions must be int64 [T]");
+  PD_CHECK(slots.dtype() == paddle::DataType::INT64 && slots.numel() == T, "slots must be int64 [T]");
+  check_cache(k_cache, "k_cache", num_kv_heads, d);
+  check_cache(v_cache, "v_cache", num_kv_heads, d);
+  const int64_t num_slots = k_cache.shape()[0] * k_cache.shape()[1], max_pos = cos_sin.shape()[0];
+  const paddle::Tensor x = qkv.contiguous();
+  auto q_out = paddle::empty({T, num_heads, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* xp = x.data<float>();
+  const float* table = cos_sin.data<float>();
+  const int64_t* pos = positions.data<int64_t>();
+  const int64_t* slot = slots.data<int64_t>();
+  float* qp = q_out.data<float>();
+  float* kc = const_cast<float*>(k_cache.data<float>());  // in place: see the file comment
+  float* vc = const_cast<float*>(v_cache.data<float>());
+  for (int64_t t = 0; t < T; ++t) {
+    PD_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rotary table of ", max_pos);
+    PD_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache of ", num_slots, " slots");
+    const float* row = xp + t * width;
+    const float* cos = table + pos[t] * 2 * d;
+    const float* sin = cos + d;
+    for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * d, cos, sin, qp + (t * num_heads + h) * d, d);
+    float* k_dst = kc + slot[t] * num_kv_heads * d;
+    float* v_dst = vc + slot[t] * num_kv_heads * d;
+    for (int64_t g = 0; g < num_kv_heads; ++g) rotate(row + (num_heads + g) * d, cos, sin, k_dst + g * d, d);
+    std::memcpy(v_dst, row + (num_heads + num_kv_heads) * d, num_kv_heads * d * sizeof(float));
+  }
+  return {q_out};
+}
+
+namespace {
+
+struct AttentionJob {
+  const float* q;  // [T, h, d]
+  const float* k;  // cache [NB, bs, kvh, d]
+  const float* v;
+  const int64_t* token_seq;  // [T]: sequence of each query token
+  const int64_t* token_pos;  // [T]: its position (keys 0..pos are visible)
+  const int64_t* tables;     // [B, MB]
+  int64_t max_blocks, block_size, num_heads, num_kv_heads, d;
+  float scale;
+  float* out;  // [T, h, d]
+};
+
+void attend(void* ctx, int64_t item) {
+  const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
+  const int64_t t = item / j.num_kv_heads, g = item % j.num_kv_heads;
+  const int64_t group = j.num_heads / j.num_kv_heads, d = j.d;
+  const int64_t n = j.token_pos[t] + 1;
+  const int64_t* table = j.tables + j.token_seq[t] * j.max_blocks;
+  thread_local std::vector<float> scores;
+  thread_local std::vector<float> qs;
+  scores.resize(group * n);
+  qs.resize(group * d);
+  for (int64_t a = 0; a < group; ++a) {
+    const float* src = j.q + (t * j.num_heads + g * group + a) * d;
+    for (int64_t i = 0; i < d; ++i) qs[a * d + i] = src[i] * j.scale;
+  }
+  const int64_t row_stride = j.num_kv_heads * d;
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t slot = table[p / j.block_size] * j.block_size + p % j.block_size;
+    const float* key = j.k + slot * row_stride + g * d;
+    for (int64_t a = 0; a < group; ++a) scores[a * n + p] = dot(qs.data() + a * d, key, d);
+  }
+  for (int64_t a = 0; a < group; ++a) {
+    float* s = scores.data() + a * n;
+    float m = s[0];
+    for (int64_t p = 1; p < n; ++p) m = std::max(m, s[p]);
+    float sum = 0.f;
+    for (int64_t p = 0; p < n; ++p) {
+      s[p] = std::exp(s[p] - m);
+      sum += s[p];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t p = 0; p < n; ++p) s[p] *= inv;
+    std::memset(j.out + (t * j.num_heads + g * group + a) * d, 0, d * sizeof(float));
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t slot = table[p / j.block_size] * j.block_size + p % j.block_size;
+    const float* value = j.v + slot * row_stride + g * d;
+    for (int64_t a = 0; a < group; ++a) axpy(scores[a * n + p], value, j.out + (t * j.num_heads + g * group + a) * d, d);
+  }
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q_in, const paddle::Tensor& k_cache,
+                                           const paddle::Tensor& v_cache, const paddle::Tensor& query_start,
+                                           const paddle::Tensor& seq_lens, const paddle::Tensor& block_tables,
+                                           float scale) {
+  PD_CHECK(q_in.dtype() == paddle::DataType::FLOAT32 && q_in.shape().size() == 3, "q must be float32 [T, h, d]");
+  const int64_t T = q_in.shape()[0], h = q_in.shape()[1], d = q_in.shape()[2];
+  PD_CHECK(k_cache.shape().size() == 4, "k_cache must be [num_blocks, block_size, kvh, d]");
+  const int64_t kvh = k_cache.shape()[2], block_size = k_cache.shape()[1];
+  check_cache(k_cache, "k_cache", kvh, d);
+  check_cache(v_cache, "v_cache", kvh, d);
+  PD_CHECK(h % kvh == 0, "num_heads ", h, " is not a multiple of the cache's ", kvh, " KV heads");
+  PD_CHECK(query_start.dtype() == paddle::DataType::INT64 && seq_lens.dtype() == paddle::DataType::INT64 &&
+               block_tables.dtype() == paddle::DataType::INT64,
+           "query_start, seq_lens and block_tables must be int64");
+  const int64_t B = seq_lens.numel();
+  PD_CHECK(query_start.numel() == B + 1, "query_start must have one more entry than seq_lens");
+  PD_CHECK(block_tables.shape().size() == 2 && block_tables.shape()[0] == B, "block_tables must be [B, max_blocks]");
+  const int64_t max_blocks = block_tables.shape()[1], num_blocks = k_cache.shape()[0];
+  const int64_t* qs = query_start.data<int64_t>();
+  const int64_t* lens = seq_lens.data<int64_t>();
+  const int64_t* tables = block_tables.data<int64_t>();
+  PD_CHECK(qs[0] == 0 && qs[B] == T, "query_start must run from 0 to the ", T, " query tokens");
+  std::vector<int64_t> token_seq(T), token_pos(T);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = qs[b + 1] - qs[b];
+    PD_CHECK(q_len >= 0 && lens[b] >= q_len, "sequence ", b, ": ", q_len, " new tokens but seq_len ", lens[b]);
+    PD_CHECK((lens[b] + block_size - 1) / block_size <= max_blocks, "sequence ", b, " needs more blocks than its table");
+    for (int64_t p = 0; p < (lens[b] + block_size - 1) / block_size; ++p)
+      PD_CHECK(tables[b * max_blocks + p] >= 0 && tables[b * max_blocks + p] < num_blocks, "sequence ", b,
+               " block table entry ", p, " = ", tables[b * max_blocks + p], " outside the cache's ", num_blocks,
+               " blocks");
+    for (int64_t i = 0; i < q_len; ++i) {
+      token_seq[qs[b] + i] = b;
+      token_pos[qs[b] + i] = lens[b] - q_len + i;
+    }
+  }
+  const paddle::Tensor q = q_in.contiguous();
+  auto out = paddle::empty({T, h, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  AttentionJob job{q.data<float>(),  k_cache.data<float>(), v_cache.data<float>(), token_seq.data(),
+                   token_pos.data(), tables,                max_blocks,            block_size,
+                   h,                kvh,                   d,                     scale,
+                   out.data<float>()};
+  fd_kernels::Pool::instance().run(T * kvh, attend, &job);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> RopeWriteKvShape(const std::vector<int64_t>& qkv, const std::vector<int64_t>&,
+                                                   const std::vector<int64_t>& cos_sin, const std::vector<int64_t>&,
+                                                   const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                                   int64_t num_heads, int64_t) {
+  return {{qkv[0], num_heads, cos_sin[2]}};
+}
+
+std::vector<paddle::DataType> RopeWriteKvDtype(const paddle::DataType&, const paddle::DataType&,
+                                               const paddle::DataType&, const paddle::DataType&,
+                                               const paddle::DataType&, const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32};
+}
+
+std::vector<std::vector<int64_t>> PagedAttentionShape(const std::vector<int64_t>& q, const std::vector<int64_t>&,
+                                                      const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                                      const std::vector<int64_t>&, const std::vector<int64_t>&) {
+  return {q};
+}
+
+std::vector<paddle::DataType> PagedAttentionDtype(const paddle::DataType&, const paddle::DataType&,
+                                                  const paddle::DataType&, const paddle::DataType&,
+                                                  const paddle::DataType&, const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32};
+}
+
+PD_BUILD_OP(fd_rope_write_kv)
+    .Inputs({"QKV", "Positions", "CosSin", "KCache", "VCache", "Slots"})
+    .Outputs({"Q"})
+    .Attrs({"num_heads: int64_t", "num_kv_heads: int64_t"})
+    .SetKernelFn(PD_KERNEL(RopeWriteKv))
+    .SetInferShapeFn(PD_INFER_SHAPE(RopeWriteKvShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RopeWriteKvDtype));
+
+PD_BUILD_OP(fd_paged_attention)
+    .Inputs({"Q", "KCache", "VCache", "QueryStart", "SeqLens", "BlockTables"})
+    .Outputs({"Out"})
+    .Attrs({"scale: float"})
+    .SetKernelFn(PD_KERNEL(PagedAttention))
+    .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionDtype));

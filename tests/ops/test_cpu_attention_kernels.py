@@ -1,0 +1,106 @@
+"""The cpu device's C++ attention ops called directly: ``fd_rope_write_kv`` and ``fd_paged_attention``.
+
+The conformance kit (``check_rope_paged_attention``) compares the fused block as the cpu ops
+table runs it; these tests call the kernels themselves, including query runs longer than the
+table sends them (it routes long prefills to the reference), and their input checks.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy_core.devices.reference_ops import ReferenceOps
+from fastdeploy_core.quantization.kernels import kernel_failure, load_kernels
+from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
+from fastdeploy_core.testing.checks import cos_sin_cache
+
+HEADS, KV_HEADS, D, BS, NB = 9, 3, 64, 8, 40
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = load_kernels()
+    assert module is not None, f"the cpu kernels must build on this machine: {kernel_failure()}"
+    return module
+
+
+def _case(specs, seed=0):
+    rng = np.random.default_rng(seed)
+    pool = BlockPool(NB, seed=seed)
+    chunks = [(list(range(q)), ctx, pool.take(blocks_for(q + ctx, BS))) for q, ctx in specs]
+    meta = build_meta(chunks, BS)
+    total = sum(q for q, _ in specs)
+    qkv = rng.standard_normal((total, (HEADS + 2 * KV_HEADS) * D)).astype(np.float32)
+    caches = [rng.standard_normal((NB, BS, KV_HEADS, D)).astype(np.float32) for _ in range(2)]
+    return meta, qkv, caches
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [[(1, 40)], [(1, 5), (1, 63), (1, 0)], [(50, 0)], [(20, 11), (1, 7), (3, 0)]],
+    ids=["decode", "decode_batch", "long_prefill", "mixed"],
+)
+def test_kernels_match_the_reference_ops(specs, kernels):
+    meta, qkv, (k0, v0) = _case(specs)
+    table = paddle.to_tensor(cos_sin_cache(D, 256).astype(np.float32))
+    scale = D**-0.5
+    ref = ReferenceOps()
+    rk, rv = paddle.to_tensor(k0), paddle.to_tensor(v0)
+    want = ref.rope_paged_attention(paddle.to_tensor(qkv), meta.positions, table, rk, rv, meta, HEADS, KV_HEADS, scale)
+
+    k, v = paddle.to_tensor(k0), paddle.to_tensor(v0)
+    q = kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, k, v, meta.slot_mapping, HEADS, KV_HEADS)
+    assert tuple(q.shape) == (qkv.shape[0], HEADS, D)
+    np.testing.assert_allclose(k.numpy(), rk.numpy(), rtol=0, atol=1e-5)  # the same slots, rotated keys
+    np.testing.assert_array_equal(v.numpy(), rv.numpy())  # values copied as they are
+    out = kernels.fd_paged_attention(
+        q,
+        k,
+        v,
+        paddle.to_tensor(meta.query_start_loc),
+        paddle.to_tensor(meta.seq_lens),
+        paddle.to_tensor(meta.block_tables),
+        scale,
+    )
+    np.testing.assert_allclose(out.numpy().reshape(want.shape), want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_kernels_reject_out_of_range_slots_positions_and_blocks(kernels):
+    meta, qkv, (k0, v0) = _case([(2, 3)])
+    table = paddle.to_tensor(cos_sin_cache(D, 4).astype(np.float32))  # positions 3 and 4: 4 is outside
+    k, v = paddle.to_tensor(k0), paddle.to_tensor(v0)
+    with pytest.raises(Exception, match="outside the rotary table"):
+        kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, k, v, meta.slot_mapping, HEADS, KV_HEADS)
+    big_table = paddle.to_tensor(cos_sin_cache(D, 64).astype(np.float32))
+    bad_slots = paddle.to_tensor(np.array([0, NB * BS], dtype=np.int64))
+    with pytest.raises(Exception, match="outside the cache"):
+        kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, big_table, k, v, bad_slots, HEADS, KV_HEADS)
+    tables = np.array(meta.block_tables)
+    tables[0, 0] = NB  # one past the last block
+    q = paddle.zeros([2, HEADS, D])
+    with pytest.raises(Exception, match="outside the cache's"):
+        kernels.fd_paged_attention(
+            q,
+            k,
+            v,
+            paddle.to_tensor(meta.query_start_loc),
+            paddle.to_tensor(meta.seq_lens),
+            paddle.to_tensor(tables),
+            1.0,
+        )
+    with pytest.raises(Exception, match="not a multiple"):
+        kernels.fd_paged_attention(
+            paddle.zeros([2, 4, D]),
+            k,
+            v,
+            paddle.to_tensor(meta.query_start_loc),
+            paddle.to_tensor(meta.seq_lens),
+            paddle.to_tensor(meta.block_tables),
+            1.0,
+        )
