@@ -88,6 +88,20 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             return add_bias(_run("fd_f32_linear", x, weight)[0], bias)
         return ReferenceOps.linear(self, x, weight, bias)
 
+    def rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+        if not (self._have_kernels or self._ready()) or x.dtype != paddle.float32:
+            return ReferenceOps.rms_norm(self, x, weight, eps)
+        return _run("fd_rms_norm", x, weight, eps)[0]
+
+    def add_rms_norm(self, x, residual, weight, eps: float):
+        """``fd_add_rms_norm`` (one pass, no OpenMP team per call); see :meth:`ReferenceOps.add_rms_norm`."""
+        if residual is None:
+            return self.rms_norm(x, weight, eps), x
+        if not (self._have_kernels or self._ready()) or x.dtype != paddle.float32:
+            return ReferenceOps.add_rms_norm(self, x, residual, weight, eps)
+        normed, summed = _run("fd_add_rms_norm", x, residual, weight, eps)
+        return normed, summed
+
     #: Longest query run (tokens of one sequence in one step) the C++ attention takes; longer
     #: prefills use the reference's batched matmuls, which reuse each key across many queries.
     kernel_attention_max_query: int = 16

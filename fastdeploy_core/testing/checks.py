@@ -256,6 +256,14 @@ def _run_op(op, ops, ref, rng, dtype):
         b = rng.standard_normal(I).astype(f32)
         got = [_np(ops.linear(_to(x, dtype), _to(w, dtype))), _np(ops.linear(_to(x, dtype), _to(w, dtype), _to(b, dtype)))]
         want = [_cpu(ref.linear, x, w), _cpu(ref.linear, x, w, b)]
+        # A layout the device prefers (prepare_linear_weight) must give the same products; I = 24
+        # and 64 columns: a width some layouts cannot take and one they can.
+        for cols in (I, 64):
+            wide = (rng.standard_normal((H, cols)) / np.sqrt(H)).astype(f32)
+            prepared = ops.prepare_linear_weight(_to(wide, dtype))
+            if prepared is not None:
+                got.append(_np(ops.linear(_to(x, dtype), prepared, _to(b[:1].repeat(cols), dtype))))
+                want.append(_cpu(ref.linear, x, wide, b[:1].repeat(cols)))
         return got, want
     if op == "rms_norm":
         x = rng.standard_normal((T, H)).astype(f32)
