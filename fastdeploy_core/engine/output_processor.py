@@ -245,11 +245,12 @@ class OutputProcessor:
 
     @staticmethod
     def _find_stop(text: str, new_from: int, stops: list[str]) -> tuple[int, str] | None:
-        """Earliest stop string that ends inside ``text[new_from:]``."""
+        """Earliest stop string that ends inside ``text[new_from:]``; of two starting at the
+        same place (one is a prefix of the other), the shorter, which ends first."""
         best: tuple[int, str] | None = None
         for stop in stops:
             pos = text.find(stop, max(0, new_from - len(stop) + 1))
-            if pos != -1 and (best is None or pos < best[0]):
+            if pos != -1 and (best is None or (pos, len(stop)) < (best[0], len(best[1]))):
                 best = (pos, stop)
         return best
 

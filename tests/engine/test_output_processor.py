@@ -70,6 +70,14 @@ def test_stop_strings_and_deltas(tokens, stops, include):
     assert not proc.has_unfinished_requests()
 
 
+def test_stop_strings_at_one_place_the_shorter_wins():
+    # one token brings "ab": stops "ab" and "a" both start at 0; "a" ends first
+    proc = OutputProcessor(ToyTokenizer())
+    proc.add_request("r", None, [4], SamplingParams(stop=["ab", "a"], include_stop_str_in_output=True))
+    out = proc.process_outputs([EngineCoreOutput("r", 0, [2])]).request_outputs[0]
+    assert out.outputs[0].text == "a" and out.outputs[0].stop_reason == "a"
+
+
 def test_n_choices_finish_independently_and_eos_is_hidden():
     proc = OutputProcessor(ToyTokenizer())
     proc.add_request("p", "prompt", [1, 2], SamplingParams(n=2, stop=["c"], temperature=1.0))
