@@ -34,6 +34,7 @@ answer 400 before queuing.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -78,6 +79,25 @@ def validate_prompt(
         sampling_params.validate()
 
 
+MIX_PREFILL_DECODE_ENV = "FD_MIX_PREFILL_DECODE"
+
+
+def mixes_prefill_and_decode(ops) -> bool:
+    """Whether steps may hold prompt chunks and decodes together.
+
+    Only when the device's ops table says its attention costs what the real query rows cost
+    however a batch mixes them (``ragged_attention = True``, varlen kernels). The attention
+    of the reference and fused ops pads every sequence of a step to the longest query run, so
+    a prompt chunk beside many decodes costs several times the two steps run apart
+    (see :mod:`fastdeploy_core.engine.scheduler`). ``FD_MIX_PREFILL_DECODE=1`` / ``=0``
+    overrides the device's answer (for experiments).
+    """
+    forced = os.environ.get(MIX_PREFILL_DECODE_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return bool(getattr(ops, "ragged_attention", False))
+
+
 class EngineCore:
     """See the module docstring."""
 
@@ -98,6 +118,7 @@ class EngineCore:
             max_num_batched_tokens=self.runner.max_num_batched_tokens,
             enable_chunked_prefill=args.scheduler.enable_chunked_prefill,
             policy=args.scheduler.policy,
+            mix_prefill_decode=mixes_prefill_and_decode(self.runner.ops),
         )
         self.eos_token_ids = self._model_eos_ids()
         self._seed_sequence = np.random.SeedSequence(args.model.seed)

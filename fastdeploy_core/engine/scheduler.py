@@ -10,6 +10,14 @@ Policy only; it never touches a tensor. Each step has one token budget
 2. then waiting requests, in policy order, while budget, sequence slots and blocks last; a
    prompt longer than the remaining budget is chunked (when ``enable_chunked_prefill``).
 
+With ``mix_prefill_decode=False`` a step holds either prompt work (chunks of running prompts,
+then waiting requests) or decodes (one token for each running request past its prompt), never
+both: attention backends that pad every sequence of a step to its longest query run pay for a
+64-token prompt chunk beside 15 decodes as if all 16 sequences had 64 queries (3-5x the cost of
+the two steps run apart on the cpu device). When both kinds of work are pending the two kinds
+of step alternate, so decodes wait for at most one prompt step and a new prompt for at most one
+decode step. When the chosen kind has nothing it can run this step, the other kind runs.
+
 Policies: ``fcfs`` (arrival order) and ``priority`` (lower ``priority`` value first, then
 arrival). :meth:`Scheduler.update` takes the sampled tokens back and finishes requests on
 eos / ``stop_token_ids`` (after ``min_tokens``), ``max_tokens`` or ``max_model_len``.
@@ -59,6 +67,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        mix_prefill_decode: bool = True,
     ):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -67,6 +76,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
+        self.mix_prefill_decode = mix_prefill_decode
+        self.last_step_kind: str | None = None  # "prefill" / "decode" / "mixed" (the last non-empty step)
         self.waiting: list[Request] = []  # sorted by policy key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -101,14 +112,37 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV blocks."""
+        self.running.sort(key=self._key)
+        if self.mix_prefill_decode:
+            kinds: tuple[str, ...] = ("mixed",)
+        else:
+            decoding = any(r.num_uncomputed_tokens == 1 for r in self.running)
+            prompting = bool(self.waiting) or any(r.num_uncomputed_tokens > 1 for r in self.running)
+            if decoding and prompting:
+                kinds = ("decode", "prefill") if self.last_step_kind == "prefill" else ("prefill", "decode")
+            else:
+                kinds = ("decode",) if decoding else ("prefill",)
         out = SchedulerOutput()
+        for kind in kinds:
+            self._schedule(kind, out)
+            if not out.is_empty:
+                self.last_step_kind = kind
+                break
+        return out
+
+    def _schedule(self, kind: str, out: SchedulerOutput) -> None:
+        """Fill ``out`` with one step of ``kind``: "mixed" (everything), "decode" (running
+        requests past their prompt) or "prefill" (prompt chunks of running requests, then
+        waiting requests)."""
         budget = self.max_num_batched_tokens
         bm = self.block_manager
-        self.running.sort(key=self._key)
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if kind != "mixed" and (req.num_uncomputed_tokens == 1) != (kind == "decode"):
+                i += 1
+                continue
             num_new = min(req.num_uncomputed_tokens, budget)
             if num_new < req.num_uncomputed_tokens and not self.enable_chunked_prefill:
                 i += 1
@@ -127,7 +161,7 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if not out.preempted:
+        if not out.preempted and kind != "decode":
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 cached = bm.find_cached_blocks(req)
@@ -149,7 +183,6 @@ class Scheduler:
                 self.running.append(req)
                 out.scheduled.append((req, num_new))
                 budget -= num_new
-        return out
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)

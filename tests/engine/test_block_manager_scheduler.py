@@ -86,8 +86,12 @@ def run_to_completion(sched: Scheduler, rng: random.Random, abort_prob: float, m
     while sched.has_unfinished_requests():
         steps += 1
         assert steps < max_steps, "scheduler made no progress"
+        decoding_before = {r.request_id for r in sched.running if r.num_uncomputed_tokens == 1}
         out = sched.schedule()
         assert out.num_scheduled_tokens <= sched.max_num_batched_tokens
+        if not sched.mix_prefill_decode:  # a step is all decodes or all prompt work
+            kinds = {r.request_id in decoding_before for r, _ in out.scheduled}
+            assert len(kinds) <= 1, "prompt work and decodes in one step"
         assert len(sched.running) <= sched.max_num_seqs
         bm.check_invariants(live(sched))
         if out.is_empty:
@@ -128,9 +132,10 @@ request_spec = st.tuples(
     chunked=st.booleans(),
     seed=st.integers(0, 2**16),
     abort_prob=st.sampled_from([0.0, 0.1]),
+    mixed=st.booleans(),
 )
 def test_every_request_finishes_and_no_block_leaks(
-    specs, block_size, budget, max_num_seqs, policy, prefix, chunked, seed, abort_prob
+    specs, block_size, budget, max_num_seqs, policy, prefix, chunked, seed, abort_prob, mixed
 ):
     rng = random.Random(seed)
     max_len = max(p + m for p, m, _, _ in specs)
@@ -139,7 +144,9 @@ def test_every_request_finishes_and_no_block_leaks(
     # just enough blocks for one longest sequence, sometimes a few more: forces preemption
     num_blocks = -(-max_len // block_size) + rng.randint(0, 4)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    sched = Scheduler(bm, max_num_seqs, budget, enable_chunked_prefill=chunked, policy=policy)
+    sched = Scheduler(
+        bm, max_num_seqs, budget, enable_chunked_prefill=chunked, policy=policy, mix_prefill_decode=mixed
+    )
     for i, (plen, mtok, family, prio) in enumerate(specs):
         prompt = [(family * 7 + j) % 11 + 1 for j in range(plen)]  # families share prefixes; no eos
         sched.add_request(make_request(f"r{i}", prompt, mtok, priority=prio))
@@ -207,3 +214,74 @@ def test_min_tokens_defers_eos_and_stop_token_reason():
         done = sched.update(out, [tok])
     assert done == [req] and req.output_token_ids == [EOS, EOS]
     assert req.status == RequestStatus.FINISHED_STOPPED
+
+
+def _step(sched: Scheduler, token: int = 5) -> list[tuple[str, int]]:
+    out = sched.schedule()
+    sched.update(out, [token if out.samples(i) else None for i in range(len(out.scheduled))])
+    return [(r.request_id, n) for r, n in out.scheduled]
+
+
+def test_unmixed_steps_alternate_prompts_and_decodes():
+    sched = Scheduler(BlockManager(64, 4), 8, 64, mix_prefill_decode=False)
+    sched.add_request(make_request("a", [1, 2, 3, 4], 10))
+    sched.add_request(make_request("b", [1, 2, 3, 4, 5, 6], 10))
+    assert _step(sched) == [("a", 4), ("b", 6)]  # nothing decodes yet: one prompt step
+    sched.add_request(make_request("c", [7, 8, 9], 10))
+    assert _step(sched) == [("a", 1), ("b", 1)]  # after a prompt step, the decodes ...
+    assert _step(sched) == [("c", 3)]  # ... then the new prompt alone ...
+    assert _step(sched) == [("a", 1), ("b", 1), ("c", 1)]  # ... then every decode together
+    assert _step(sched) == [("a", 1), ("b", 1), ("c", 1)]  # no prompt waiting: decodes go on
+    sched.add_request(make_request("d", [7, 8], 10))
+    sched.add_request(make_request("e", [9, 9], 10))
+    assert _step(sched) == [("d", 2), ("e", 2)]  # after a decode step, the waiting prompts
+
+
+def test_unmixed_runs_decodes_when_no_prompt_can_start():
+    # one sequence slot: the waiting prompt cannot be admitted, so decodes must not stall
+    sched = Scheduler(BlockManager(64, 4), 1, 64, mix_prefill_decode=False)
+    sched.add_request(make_request("a", [1, 2, 3], 3))
+    sched.add_request(make_request("b", [4, 5, 6], 3))
+    steps = [_step(sched) for _ in range(6)]
+    assert steps == [[("a", 3)], [("a", 1)], [("a", 1)], [("b", 3)], [("b", 1)], [("b", 1)]]
+    assert not sched.has_unfinished_requests()
+
+
+def test_unmixed_chunked_prompt_alternates_with_decodes():
+    sched = Scheduler(BlockManager(64, 4), 4, 8, mix_prefill_decode=False)
+    sched.add_request(make_request("a", [1, 2], 20))
+    _step(sched)
+    sched.add_request(make_request("long", list(range(1, 21)), 2))
+    assert _step(sched) == [("a", 1)]
+    assert _step(sched) == [("long", 8)]
+    assert _step(sched) == [("a", 1)]
+    assert _step(sched) == [("long", 8)]
+    assert _step(sched) == [("a", 1)]
+    assert _step(sched) == [("long", 4)]  # its last chunk samples its first token
+    assert _step(sched) == [("a", 1), ("long", 1)]
+
+
+def test_mixed_steps_hold_prompts_and_decodes_together():
+    sched = Scheduler(BlockManager(64, 4), 8, 64)  # the default: mixed
+    sched.add_request(make_request("a", [1, 2, 3, 4], 10))
+    _step(sched)
+    sched.add_request(make_request("b", [5, 6, 7], 10))
+    assert _step(sched) == [("a", 1), ("b", 3)]
+
+
+def test_engine_mixes_only_for_ragged_attention(monkeypatch):
+    from fastdeploy_core.engine.engine_core import MIX_PREFILL_DECODE_ENV, mixes_prefill_and_decode
+
+    class PaddedOps:
+        pass
+
+    class RaggedOps:
+        ragged_attention = True
+
+    monkeypatch.delenv(MIX_PREFILL_DECODE_ENV, raising=False)
+    assert not mixes_prefill_and_decode(PaddedOps())
+    assert mixes_prefill_and_decode(RaggedOps())
+    monkeypatch.setenv(MIX_PREFILL_DECODE_ENV, "1")
+    assert mixes_prefill_and_decode(PaddedOps())
+    monkeypatch.setenv(MIX_PREFILL_DECODE_ENV, "0")
+    assert not mixes_prefill_and_decode(RaggedOps())
