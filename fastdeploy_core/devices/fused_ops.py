@@ -125,9 +125,9 @@ class FusedOps(ReferenceOps):
         return cast[1]
 
     # ---- attention ----------------------------------------------------------------------------
-    def paged_attention(self, q, k_cache, v_cache, meta, scale: float):
-        if self.attention_backend != "sdpa":
-            return super().paged_attention(q, k_cache, v_cache, meta, scale)
+    def paged_attention(self, q, k_cache, v_cache, meta, scale: float, sliding_window: int | None = None):
+        if self.attention_backend != "sdpa" or sliding_window:
+            return super().paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
         self.kernel_choices["paged_attention"] = "scaled_dot_product_attention"
         state = meta.attn_state.get("sdpa")
         if state is None:

@@ -48,11 +48,15 @@ class PaddedBatch:
             max_kv=num_blocks * block_size,
         )
 
-    def visible(self) -> np.ndarray:
-        """``[B, max_q, max_kv]``: key ``j`` is visible to padded query ``i`` (causal, within length)."""
+    def visible(self, sliding_window: int | None = None) -> np.ndarray:
+        """``[B, max_q, max_kv]``: key ``j`` is visible to padded query ``i`` (causal, within length,
+        and with a sliding window ``w`` only the last ``w`` positions: ``j > i - w``, as HF's Mistral)."""
         kv_pos = np.arange(self.max_kv, dtype=np.int64)
         q_pos = self.context_lens[:, None] + np.arange(self.max_q, dtype=np.int64)[None, :]
-        return (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < self.seq_lens[:, None, None])
+        seen = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < self.seq_lens[:, None, None])
+        if sliding_window:
+            seen &= kv_pos[None, None, :] > q_pos[:, :, None] - int(sliding_window)
+        return seen
 
     def pad_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(token row of each padded query slot, flattened ``[B * max_q]`` with padding -> 0;

@@ -182,8 +182,10 @@ class ReferenceOps:
         v_cache: paddle.Tensor,
         meta,
         scale: float,
+        sliding_window: int | None = None,
     ) -> paddle.Tensor:
-        """Causal attention of every new token over its sequence's whole cached context.
+        """Causal attention of every new token over its sequence's whole cached context (only its
+        last ``sliding_window`` positions, the token's own included, when that is set).
 
         ``q [T, h, d]``; the step's own K/V must already be written into the caches. Handles
         prefix-cached blocks, chunked prefill, mixed prefill+decode batches and GQA without a
@@ -191,10 +193,11 @@ class ReferenceOps:
         cache positions gathered block-wise from ``meta.block_tables``, with a mask
         ``kv_pos <= q_pos``. Returns ``[T, h, d]``.
         """
-        state = meta.attn_state.get("paged_reference")
+        key = "paged_reference" if not sliding_window else f"paged_reference/window={int(sliding_window)}"
+        state = meta.attn_state.get(key)
         if state is None:
-            state = self._build_attention_state(meta, k_cache.shape[1])
-            meta.attn_state["paged_reference"] = state
+            state = self._build_attention_state(meta, k_cache.shape[1], sliding_window)
+            meta.attn_state[key] = state
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -245,6 +248,7 @@ class ReferenceOps:
         num_heads: int,
         num_kv_heads: int,
         scale: float,
+        sliding_window: int | None = None,
     ) -> paddle.Tensor:
         """The attention block between the QKV and output projections, as one op.
 
@@ -260,7 +264,7 @@ class ReferenceOps:
         qk, _ = self.rotary_embedding(positions, qk, None, cos_sin_cache)
         q, k = paddle.split(qk, [num_heads, num_kv_heads], axis=1)
         self.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.paged_attention(q, k_cache, v_cache, meta, scale)
+        out = self.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
         return out.reshape([-1, num_heads * head_dim])
 
     @staticmethod
@@ -307,7 +311,7 @@ class ReferenceOps:
         out = paddle.matmul(probs, v).reshape([batch, num_kv_heads, group, length, head_dim])
         return out.transpose([0, 3, 1, 2, 4]).reshape([batch, length, num_kv_heads * group, head_dim])
 
-    def _build_attention_state(self, meta, block_size: int) -> dict:
+    def _build_attention_state(self, meta, block_size: int, sliding_window: int | None = None) -> dict:
         """Host-side index math of one step, turned into device tensors once for all layers."""
         geo = PaddedBatch.from_meta(meta, block_size)
         state = {
@@ -322,11 +326,12 @@ class ReferenceOps:
             "mask": None,
         }
         if geo.max_q == 1:
-            if geo.batch > 1 or int(geo.seq_lens[0]) != geo.max_kv:
-                visible = np.arange(geo.max_kv, dtype=np.int64)[None, :] < geo.seq_lens[:, None]  # [B, max_kv]
+            windowed = bool(sliding_window) and int(geo.seq_lens.max()) > int(sliding_window)
+            if geo.batch > 1 or int(geo.seq_lens[0]) != geo.max_kv or windowed:
+                visible = geo.visible(sliding_window)[:, 0, :]  # [B, max_kv]
                 state["mask"] = paddle.to_tensor(np.where(visible, 0.0, -np.inf).astype(np.float32)[:, None, None, :])
             return state
-        mask = np.where(geo.visible(), 0.0, -np.inf).astype(np.float32)  # [B, max_q, max_kv]
+        mask = np.where(geo.visible(sliding_window), 0.0, -np.inf).astype(np.float32)  # [B, max_q, max_kv]
         state["mask"] = paddle.to_tensor(mask[:, None, None, :, :])
         if geo.batch > 1 or geo.max_q != int(geo.query_lens[0]):
             rows, unpad = geo.pad_rows()

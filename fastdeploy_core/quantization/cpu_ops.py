@@ -107,7 +107,17 @@ class CpuOps(CpuQuantOps, ReferenceOps):
     kernel_attention_max_query: int = 16
 
     def rope_paged_attention(
-        self, qkv, positions, cos_sin_cache, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float
+        self,
+        qkv,
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        meta,
+        num_heads: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
     ) -> paddle.Tensor:
         """``fd_rope_write_kv`` then ``fd_paged_attention`` (or, for long prefills, the reference
         attention over the caches the first op filled): 2 ops per layer instead of ~20."""
@@ -118,7 +128,7 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             or qkv.ndim != 2
         ):
             return ReferenceOps.rope_paged_attention(
-                self, qkv, positions, cos_sin_cache, k_cache, v_cache, meta, num_heads, num_kv_heads, scale
+                self, qkv, positions, cos_sin_cache, k_cache, v_cache, meta, num_heads, num_kv_heads, scale, sliding_window
             )
         q = _run(
             "fd_rope_write_kv", qkv, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, num_heads, num_kv_heads
@@ -127,9 +137,9 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         if state is None:
             state = meta.attn_state["cpu_kernel"] = self._kernel_attention_state(meta)
         if state is False:
-            out = self.paged_attention(q, k_cache, v_cache, meta, scale)
+            out = self.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
         else:
-            out = _run("fd_paged_attention", q, k_cache, v_cache, *state, scale)[0]
+            out = _run("fd_paged_attention", q, k_cache, v_cache, *state, scale, int(sliding_window or 0))[0]
         return out.reshape([-1, qkv.shape[1] // (num_heads + 2 * num_kv_heads) * num_heads])
 
     def _kernel_attention_state(self, meta):

@@ -116,9 +116,9 @@ class Int8KVCacheOps:
         k_cache.index_put_((block_ids, offsets), k)
         v_cache.index_put_((block_ids, offsets), v)
 
-    def paged_attention(self, q, k_cache, v_cache, meta, scale: float):
+    def paged_attention(self, q, k_cache, v_cache, meta, scale: float, sliding_window: int | None = None):
         if not isinstance(k_cache, QuantizedKVCache):
-            return self.inner.paged_attention(q, k_cache, v_cache, meta, scale)
+            return self.inner.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
         compact = meta.attn_state.get("int8_kv")
         if compact is None:
             compact = self._compact_meta(meta, k_cache.shape[1])
@@ -126,7 +126,7 @@ class Int8KVCacheOps:
         used, compact_meta = compact
         k_float = k_cache.gather_blocks(used)
         v_float = v_cache.gather_blocks(used)
-        return self.inner.paged_attention(q, k_float, v_float, compact_meta, scale)
+        return self.inner.paged_attention(q, k_float, v_float, compact_meta, scale, sliding_window)
 
     @staticmethod
     def _compact_meta(meta, block_size: int):

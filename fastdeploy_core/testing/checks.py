@@ -321,7 +321,10 @@ ATTENTION_SCENARIOS: dict[str, list[tuple[int, int]]] = {
     "decode": [(1, 12), (1, 3), (1, 31)],
     "prefix_cached_chunked": [(5, 8), (1, 17), (8, 0), (3, 4)],
     "long_prefill_with_decodes": [(1, 14), (37, 6), (1, 2)],
+    "sliding_window": [(1, 14), (9, 3), (20, 0), (1, 2)],
 }
+#: scenario -> ``sliding_window`` passed to the attention ops (Mistral v0.1 style)
+ATTENTION_WINDOWS: dict[str, int] = {"sliding_window": 5}
 
 
 def check_paged_attention(target: Target, scenario: str, backend: str, dtype: str, seed: int = 0) -> None:
@@ -338,20 +341,21 @@ def check_paged_attention(target: Target, scenario: str, backend: str, dtype: st
     k = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
     v = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
     scale = d**-0.5
+    window = ATTENTION_WINDOWS.get(scenario)
 
     with paddle.device.device_guard("cpu"):
         ref = ReferenceOps()
         meta = build_meta(chunks, bs)
         rk, rv = paddle.to_tensor(k_cache), paddle.to_tensor(v_cache)
         ref.write_kv_cache(paddle.to_tensor(k), paddle.to_tensor(v), rk, rv, meta.slot_mapping)
-        want = ref.paged_attention(paddle.to_tensor(q), rk, rv, meta, scale).numpy()
+        want = ref.paged_attention(paddle.to_tensor(q), rk, rv, meta, scale, window).numpy()
 
     with target.placed():
         ops = target.make_ops(backend)
         meta = build_meta(chunks, bs)
         tk, tv = _to(k_cache, dtype), _to(v_cache, dtype)
         ops.write_kv_cache(_to(k, dtype), _to(v, dtype), tk, tv, meta.slot_mapping)
-        got = _np(ops.paged_attention(_to(q, dtype), tk, tv, meta, scale))
+        got = _np(ops.paged_attention(_to(q, dtype), tk, tv, meta, scale, window))
     assert_close(got, want, dtype, f"paged_attention[{backend}] {scenario}")
 
 
@@ -369,7 +373,7 @@ def check_rope_paged_attention(target: Target, scenario: str, backend: str, dtyp
     qkv = rng.standard_normal((total, (heads + 2 * kv_heads) * d)).astype(np.float32)
     table = cos_sin_cache(d, 128).astype(np.float32)
     scale = d**-0.5
-    args = (heads, kv_heads, scale)
+    args = (heads, kv_heads, scale, ATTENTION_WINDOWS.get(scenario))
 
     with paddle.device.device_guard("cpu"):
         meta = build_meta(chunks, bs)

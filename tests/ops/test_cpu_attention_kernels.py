@@ -46,13 +46,16 @@ def _case(specs, seed=0):
     [[(1, 40)], [(1, 5), (1, 63), (1, 0)], [(50, 0)], [(20, 11), (1, 7), (3, 0)]],
     ids=["decode", "decode_batch", "long_prefill", "mixed"],
 )
-def test_kernels_match_the_reference_ops(specs, kernels):
+@pytest.mark.parametrize("window", [0, 5])
+def test_kernels_match_the_reference_ops(specs, window, kernels):
     meta, qkv, (k0, v0) = _case(specs)
     table = paddle.to_tensor(cos_sin_cache(D, 256).astype(np.float32))
     scale = D**-0.5
     ref = ReferenceOps()
     rk, rv = paddle.to_tensor(k0), paddle.to_tensor(v0)
-    want = ref.rope_paged_attention(paddle.to_tensor(qkv), meta.positions, table, rk, rv, meta, HEADS, KV_HEADS, scale)
+    want = ref.rope_paged_attention(
+        paddle.to_tensor(qkv), meta.positions, table, rk, rv, meta, HEADS, KV_HEADS, scale, window or None
+    )
 
     k, v = paddle.to_tensor(k0), paddle.to_tensor(v0)
     q = kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, k, v, meta.slot_mapping, HEADS, KV_HEADS)
@@ -67,6 +70,7 @@ def test_kernels_match_the_reference_ops(specs, kernels):
         paddle.to_tensor(meta.seq_lens),
         paddle.to_tensor(meta.block_tables),
         scale,
+        window,
     )
     np.testing.assert_allclose(out.numpy().reshape(want.shape), want.numpy(), rtol=1e-4, atol=1e-5)
 
@@ -93,6 +97,18 @@ def test_kernels_reject_out_of_range_slots_positions_and_blocks(kernels):
             paddle.to_tensor(meta.seq_lens),
             paddle.to_tensor(tables),
             1.0,
+            0,
+        )
+    with pytest.raises(Exception, match="sliding_window must be >= 0"):
+        kernels.fd_paged_attention(
+            q,
+            k,
+            v,
+            paddle.to_tensor(meta.query_start_loc),
+            paddle.to_tensor(meta.seq_lens),
+            paddle.to_tensor(meta.block_tables),
+            1.0,
+            -1,
         )
     with pytest.raises(Exception, match="not a multiple"):
         kernels.fd_paged_attention(
@@ -103,4 +119,5 @@ def test_kernels_reject_out_of_range_slots_positions_and_blocks(kernels):
             paddle.to_tensor(meta.seq_lens),
             paddle.to_tensor(meta.block_tables),
             1.0,
+            0,
         )

@@ -10,7 +10,8 @@
 // fd_paged_attention: causal attention of every new token over its sequence's cached context,
 //   for any mix of decode and prefill rows: token i of sequence b (query rows
 //   [query_start[b], query_start[b + 1])) sits at position seq_lens[b] - q_len + i and sees the
-//   keys at positions 0 .. that position, read block by block through block_tables. Grouped
+//   keys at positions 0 .. that position (with sliding_window w > 0 only the last w of them,
+//   itself included: keys p > position - w, as HF's Mistral), read block by block through block_tables. Grouped
 //   query heads that share a KV head are computed together, so each key and value row is
 //   loaded once per group. Softmax in float32 with the maximum subtracted. One work item is
 //   (query token, KV head); the pool's threads claim items.
@@ -129,7 +130,7 @@ struct AttentionJob {
   const int64_t* token_seq;  // [T]: sequence of each query token
   const int64_t* token_pos;  // [T]: its position (keys 0..pos are visible)
   const int64_t* tables;     // [B, MB]
-  int64_t max_blocks, block_size, num_heads, num_kv_heads, d;
+  int64_t max_blocks, block_size, num_heads, num_kv_heads, d, window;
   float scale;
   float* out;  // [T, h, d]
 };
@@ -138,7 +139,8 @@ void attend(void* ctx, int64_t item) {
   const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
   const int64_t t = item / j.num_kv_heads, g = item % j.num_kv_heads;
   const int64_t group = j.num_heads / j.num_kv_heads, d = j.d;
-  const int64_t n = j.token_pos[t] + 1;
+  const int64_t first = j.window > 0 ? std::max<int64_t>(0, j.token_pos[t] - j.window + 1) : 0;
+  const int64_t n = j.token_pos[t] + 1 - first;  // keys first .. token_pos[t]
   const int64_t* table = j.tables + j.token_seq[t] * j.max_blocks;
   thread_local std::vector<float> scores;
   thread_local std::vector<float> qs;
@@ -150,7 +152,8 @@ void attend(void* ctx, int64_t item) {
   }
   const int64_t row_stride = j.num_kv_heads * d;
   for (int64_t p = 0; p < n; ++p) {
-    const int64_t slot = table[p / j.block_size] * j.block_size + p % j.block_size;
+    const int64_t kp = first + p;
+    const int64_t slot = table[kp / j.block_size] * j.block_size + kp % j.block_size;
     const float* key = j.k + slot * row_stride + g * d;
     for (int64_t a = 0; a < group; ++a) scores[a * n + p] = dot(qs.data() + a * d, key, d);
   }
@@ -168,7 +171,8 @@ void attend(void* ctx, int64_t item) {
     std::memset(j.out + (t * j.num_heads + g * group + a) * d, 0, d * sizeof(float));
   }
   for (int64_t p = 0; p < n; ++p) {
-    const int64_t slot = table[p / j.block_size] * j.block_size + p % j.block_size;
+    const int64_t kp = first + p;
+    const int64_t slot = table[kp / j.block_size] * j.block_size + kp % j.block_size;
     const float* value = j.v + slot * row_stride + g * d;
     for (int64_t a = 0; a < group; ++a) axpy(scores[a * n + p], value, j.out + (t * j.num_heads + g * group + a) * d, d);
   }
@@ -179,7 +183,8 @@ void attend(void* ctx, int64_t item) {
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q_in, const paddle::Tensor& k_cache,
                                            const paddle::Tensor& v_cache, const paddle::Tensor& query_start,
                                            const paddle::Tensor& seq_lens, const paddle::Tensor& block_tables,
-                                           float scale) {
+                                           float scale, int64_t sliding_window) {
+  PD_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
   PD_CHECK(q_in.dtype() == paddle::DataType::FLOAT32 && q_in.shape().size() == 3, "q must be float32 [T, h, d]");
   const int64_t T = q_in.shape()[0], h = q_in.shape()[1], d = q_in.shape()[2];
   PD_CHECK(k_cache.shape().size() == 4, "k_cache must be [num_blocks, block_size, kvh, d]");
@@ -216,8 +221,8 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q_in, const pad
   auto out = paddle::empty({T, h, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   AttentionJob job{q.data<float>(),  k_cache.data<float>(), v_cache.data<float>(), token_seq.data(),
                    token_pos.data(), tables,                max_blocks,            block_size,
-                   h,                kvh,                   d,                     scale,
-                   out.data<float>()};
+                   h,                kvh,                   d,                     sliding_window,
+                   scale,            out.data<float>()};
   fd_kernels::Pool::instance().run(T * kvh, attend, &job);
   return {out};
 }
@@ -237,7 +242,8 @@ std::vector<paddle::DataType> RopeWriteKvDtype(const paddle::DataType&, const pa
 
 std::vector<std::vector<int64_t>> PagedAttentionShape(const std::vector<int64_t>& q, const std::vector<int64_t>&,
                                                       const std::vector<int64_t>&, const std::vector<int64_t>&,
-                                                      const std::vector<int64_t>&, const std::vector<int64_t>&) {
+                                                      const std::vector<int64_t>&, const std::vector<int64_t>&, float,
+                                                      int64_t) {
   return {q};
 }
 
@@ -258,7 +264,7 @@ PD_BUILD_OP(fd_rope_write_kv)
 PD_BUILD_OP(fd_paged_attention)
     .Inputs({"Q", "KCache", "VCache", "QueryStart", "SeqLens", "BlockTables"})
     .Outputs({"Out"})
-    .Attrs({"scale: float"})
+    .Attrs({"scale: float", "sliding_window: int64_t"})
     .SetKernelFn(PD_KERNEL(PagedAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionDtype));

@@ -6,7 +6,7 @@ from fastdeploy_core.hookspecs import hookimpl
 FD_PLUGIN_API_VERSION = PLUGIN_API_VERSION
 
 #: Architectures this plugin serves natively; the class is imported only when a model loads.
-ARCHITECTURES = ("LlamaForCausalLM",)
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
 @hookimpl

@@ -47,14 +47,11 @@ class _Dims:
         self.hidden_act = cfg.get("hidden_act", "silu")
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.rope_theta, self.rope_scaling = rope_settings(cfg)
+        # Mistral v0.1 style: each token attends to the last `sliding_window` positions only.
         window = cfg.get("sliding_window")
-        if window and int(window) < self.max_positions:
-            # Mistral v0.1 style: attention is full here, which is exact only up to the window.
-            logger.warning(
-                "config sets sliding_window=%s; this implementation attends over the full context, which "
-                "matches the checkpoint only for sequences of at most %s tokens (use --max-model-len %s)",
-                window, window, window,
-            )
+        self.sliding_window = int(window) if window and cfg.get("use_sliding_window", True) is not False else None
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window must be a positive number of tokens, the config has {window!r}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
@@ -86,7 +83,7 @@ class LlamaAttention(nn.Layer):
             prefix=f"{prefix}.o_proj",
         )
         self.rotary_emb = get_rope(dims.head_dim, dims.max_positions, dims.rope_theta, dims.rope_scaling)
-        self.attn = Attention(dims.num_heads, dims.head_dim, dims.num_kv_heads)
+        self.attn = Attention(dims.num_heads, dims.head_dim, dims.num_kv_heads, sliding_window=dims.sliding_window)
 
     def forward(self, positions: paddle.Tensor, hidden: paddle.Tensor, kv_cache, meta: ForwardMeta) -> paddle.Tensor:
         qkv = self.qkv_proj(hidden)

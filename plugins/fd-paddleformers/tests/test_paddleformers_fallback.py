@@ -145,13 +145,14 @@ def test_model_impl_fastdeploy_without_native_class_is_a_clear_error(ref):
 
 
 @pytest.mark.parametrize(
-    "name, why",
+    "name, why, impl",
     [
-        ("mistral", "PaddleFormers has no implementation of MistralForCausalLM"),
-        ("qwen2", "paddlefleet"),  # PaddleFormers' Qwen2 module needs paddlefleet, which is not on PyPI
+        # Mistral is native (fd-llama) under auto; only the explicit fallback fails.
+        ("mistral", "PaddleFormers has no implementation of MistralForCausalLM", "paddleformers"),
+        ("qwen2", "paddlefleet", "paddleformers"),  # PaddleFormers' Qwen2 module needs paddlefleet (not on PyPI)
+        ("qwen2", "paddlefleet", "auto"),
     ],
 )
-@pytest.mark.parametrize("impl", ["paddleformers", "auto"])
 def test_architecture_paddleformers_cannot_build_is_a_clear_error(ref, name, why, impl):
     with pytest.raises(UnsupportedArchitectureError) as info:
         make_core(ref["paths"][name], model_impl=impl)
@@ -193,11 +194,12 @@ def test_plugin_manager_asks_the_fallback_whether_it_can_serve(ref):
 
     _, impl, why = pm.model_provider("Ernie4_5ForCausalLM", "auto", config("ernie4_5"))
     assert impl == "paddleformers" and "Ernie4_5Model" in why
-    for impl in ("auto", "paddleformers"):
-        with pytest.raises(UnsupportedArchitectureError) as info:
-            pm.model_provider("MistralForCausalLM", impl, config("mistral"))
-        message = str(info.value)
-        assert "no implementation of MistralForCausalLM" in message and "native architectures: LlamaForCausalLM" in message
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        pm.model_provider("MistralForCausalLM", "paddleformers", config("mistral"))
+    message = str(info.value)
+    assert "no implementation of MistralForCausalLM" in message and "native architectures: LlamaForCausalLM" in message
+    target, impl, _ = pm.model_provider("MistralForCausalLM", "auto", config("mistral"))
+    assert impl == "fastdeploy" and target == "fd_llama.llama:LlamaForCausalLM"
 
 
 @pytest.mark.slow
