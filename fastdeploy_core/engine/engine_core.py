@@ -45,7 +45,7 @@ from fastdeploy_core.engine.outputs import EngineCoreOutput, EngineCoreRequest, 
 from fastdeploy_core.engine.request import Request, RequestStatus
 from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.engine.scheduler import Scheduler
-from fastdeploy_core.errors import ContextLengthExceededError, InvalidRequestError
+from fastdeploy_core.errors import ConfigError, ContextLengthExceededError, InvalidRequestError
 
 
 def validate_prompt(
@@ -80,6 +80,78 @@ def validate_prompt(
 
 
 MIX_PREFILL_DECODE_ENV = "FD_MIX_PREFILL_DECODE"
+#: How long one step of prompt work should take while other requests share the engine ...
+PROMPT_STEP_TARGET_S = 0.5
+#: ... and at least this many decode steps' time, so the decode steps between prompt steps
+#: delay a burst's later prompts by a fraction of their own time.
+PROMPT_STEP_DECODE_RATIO = 4.0
+#: ``FD_PROMPT_STEP_TARGET_MS``: overrides the target; 0 turns the prompt step cap off.
+PROMPT_STEP_TARGET_ENV = "FD_PROMPT_STEP_TARGET_MS"
+#: The smallest prompt step the cap allows, and the fewest prompt tokens a step must have to be measured.
+PROMPT_STEP_MIN_TOKENS = 64
+
+
+class PromptStepSizer:
+    """The scheduler's ``prompt_token_cap`` from measured step times.
+
+    A burst of prompts computed in one step makes every one of them wait for the whole step
+    (16 prompts of 64 tokens: ~2 s on the cpu device) and holds every decode back as long.
+    Sized to about ``target_s`` of work, or ``decode_ratio`` decode steps when those take
+    longer, prompt steps let the first requests of a burst start answering early. The time per
+    prompt token is a moving average over steps with at least ``min_tokens`` prompt tokens
+    (their fixed cost per step is amortised; it follows the machine's load), the decode step
+    time one over steps without prompt work; until a prompt step is seen the cap is
+    ``min_tokens``. The cap stays within ``[min_tokens, max_tokens]``.
+    """
+
+    def __init__(
+        self,
+        target_s: float,
+        min_tokens: int,
+        max_tokens: int,
+        decode_ratio: float = PROMPT_STEP_DECODE_RATIO,
+        smoothing: float = 0.3,
+    ):
+        self.target_s = target_s
+        self.decode_ratio = decode_ratio
+        self.decode_seconds: float | None = None
+        self.min_tokens = max(1, min(min_tokens, max_tokens))
+        self.max_tokens = max_tokens
+        self.smoothing = smoothing
+        self.seconds_per_token: float | None = None
+
+    @classmethod
+    def from_env(cls, min_tokens: int, max_tokens: int) -> PromptStepSizer | None:
+        """The default sizer, or the one ``FD_PROMPT_STEP_TARGET_MS`` asks for; None when it is 0."""
+        raw = os.environ.get(PROMPT_STEP_TARGET_ENV, "").strip()
+        target = PROMPT_STEP_TARGET_S
+        if raw:
+            try:
+                target = float(raw) / 1000
+            except ValueError:
+                raise ConfigError(
+                    f"{PROMPT_STEP_TARGET_ENV}={raw!r} is not a number of milliseconds (0 turns the cap off)"
+                ) from None
+        return cls(target, min_tokens, max_tokens) if target > 0 else None
+
+    @property
+    def cap(self) -> int:
+        if not self.seconds_per_token:
+            return self.min_tokens
+        target = max(self.target_s, self.decode_ratio * (self.decode_seconds or 0.0))
+        return int(min(self.max_tokens, max(self.min_tokens, target / self.seconds_per_token)))
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def observe(self, prompt_tokens: int, total_tokens: int, seconds: float) -> None:
+        """One step that computed ``prompt_tokens`` prompt tokens (``total_tokens`` in all) in ``seconds``."""
+        if total_tokens <= 0 or seconds <= 0:
+            return
+        if prompt_tokens == 0:
+            self.decode_seconds = self._average(self.decode_seconds, seconds)
+        elif prompt_tokens >= self.min_tokens:
+            self.seconds_per_token = self._average(self.seconds_per_token, seconds / total_tokens)
 
 
 def mixes_prefill_and_decode(ops) -> bool:
@@ -120,6 +192,11 @@ class EngineCore:
             policy=args.scheduler.policy,
             mix_prefill_decode=mixes_prefill_and_decode(self.runner.ops),
         )
+        self.prompt_sizer = PromptStepSizer.from_env(
+            min(PROMPT_STEP_MIN_TOKENS, self.runner.max_num_batched_tokens), self.runner.max_num_batched_tokens
+        )
+        if self.prompt_sizer is not None:
+            self.scheduler.prompt_token_cap = self.prompt_sizer.cap
         self.eos_token_ids = self._model_eos_ids()
         self._seed_sequence = np.random.SeedSequence(args.model.seed)
         self._choices: dict[str, list[str]] = {}  # request id -> core ids of its choices
@@ -215,7 +292,12 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
+        started = time.perf_counter()
         sampled = self.runner.execute_model(sched_out)
+        if self.prompt_sizer is not None:
+            prompt_tokens = sum(n for _, n in sched_out.scheduled if n > 1)
+            self.prompt_sizer.observe(prompt_tokens, sched_out.num_scheduled_tokens, time.perf_counter() - started)
+            self.scheduler.prompt_token_cap = self.prompt_sizer.cap
         self.scheduler.update(sched_out, sampled)
         outputs: list[EngineCoreOutput] = []
         for (req, _), token in zip(sched_out.scheduled, sampled):

@@ -18,6 +18,12 @@ the two steps run apart on the cpu device). When both kinds of work are pending 
 of step alternate, so decodes wait for at most one prompt step and a new prompt for at most one
 decode step. When the chosen kind has nothing it can run this step, the other kind runs.
 
+``prompt_token_cap`` (None by default; the engine core sets it from measured step times) bounds
+the prompt tokens of one step while other requests share the engine, so a burst of prompts is
+computed a few at a time: the first ones start decoding (and answering) while the rest wait,
+instead of all waiting for one long step. The first prompt of a step that cannot be chunked
+(``enable_chunked_prefill=False``) is taken whole.
+
 Policies: ``fcfs`` (arrival order) and ``priority`` (lower ``priority`` value first, then
 arrival). :meth:`Scheduler.update` takes the sampled tokens back and finishes requests on
 eos / ``stop_token_ids`` (after ``min_tokens``), ``max_tokens`` or ``max_model_len``.
@@ -77,6 +83,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
         self.mix_prefill_decode = mix_prefill_decode
+        self.prompt_token_cap: int | None = None
         self.last_step_kind: str | None = None  # "prefill" / "decode" / "mixed" (the last non-empty step)
         self.waiting: list[Request] = []  # sorted by policy key
         self.running: list[Request] = []
@@ -136,15 +143,28 @@ class Scheduler:
         waiting requests)."""
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        prompt_budget = budget
+        if self.prompt_token_cap is not None and len(self.running) + len(self.waiting) > 1:
+            prompt_budget = max(1, self.prompt_token_cap)
+        first_prompt = True
+
+        def prompt_tokens(wanted: int) -> int:
+            """How many of ``wanted`` prompt tokens fit this step (0: none; a whole unchunkable
+            prompt beyond the cap only as the step's first prompt)."""
+            n = min(wanted, budget)
+            if first_prompt and not self.enable_chunked_prefill:
+                return n
+            return max(0, min(n, prompt_budget))
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if kind != "mixed" and (req.num_uncomputed_tokens == 1) != (kind == "decode"):
+            decoding = req.num_uncomputed_tokens == 1
+            if kind != "mixed" and decoding != (kind == "decode"):
                 i += 1
                 continue
-            num_new = min(req.num_uncomputed_tokens, budget)
-            if num_new < req.num_uncomputed_tokens and not self.enable_chunked_prefill:
+            num_new = 1 if decoding else prompt_tokens(req.num_uncomputed_tokens)
+            if num_new == 0 or (num_new < req.num_uncomputed_tokens and not self.enable_chunked_prefill):
                 i += 1
                 continue
             preempted_self = False
@@ -159,18 +179,20 @@ class Scheduler:
                 continue
             out.scheduled.append((req, num_new))
             budget -= num_new
+            if not decoding:
+                prompt_budget -= num_new
+                first_prompt = False
             i += 1
 
         if not out.preempted and kind != "decode":
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and budget > 0 and prompt_budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 cached = bm.find_cached_blocks(req)
                 num_computed = len(cached) * bm.block_size
-                num_new = req.num_tokens - num_computed
-                if num_new > budget:
-                    if not self.enable_chunked_prefill:
-                        break
-                    num_new = budget
+                wanted = req.num_tokens - num_computed
+                num_new = prompt_tokens(wanted)
+                if num_new < wanted and not self.enable_chunked_prefill:
+                    break
                 if not bm.allocate(req, num_computed + num_new, cached):
                     break
                 self.waiting.pop(0)
@@ -183,6 +205,8 @@ class Scheduler:
                 self.running.append(req)
                 out.scheduled.append((req, num_new))
                 budget -= num_new
+                prompt_budget -= num_new
+                first_prompt = False
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)

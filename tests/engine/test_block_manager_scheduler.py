@@ -133,9 +133,10 @@ request_spec = st.tuples(
     seed=st.integers(0, 2**16),
     abort_prob=st.sampled_from([0.0, 0.1]),
     mixed=st.booleans(),
+    prompt_cap=st.one_of(st.none(), st.integers(1, 16)),
 )
 def test_every_request_finishes_and_no_block_leaks(
-    specs, block_size, budget, max_num_seqs, policy, prefix, chunked, seed, abort_prob, mixed
+    specs, block_size, budget, max_num_seqs, policy, prefix, chunked, seed, abort_prob, mixed, prompt_cap
 ):
     rng = random.Random(seed)
     max_len = max(p + m for p, m, _, _ in specs)
@@ -147,6 +148,7 @@ def test_every_request_finishes_and_no_block_leaks(
     sched = Scheduler(
         bm, max_num_seqs, budget, enable_chunked_prefill=chunked, policy=policy, mix_prefill_decode=mixed
     )
+    sched.prompt_token_cap = prompt_cap
     for i, (plen, mtok, family, prio) in enumerate(specs):
         prompt = [(family * 7 + j) % 11 + 1 for j in range(plen)]  # families share prefixes; no eos
         sched.add_request(make_request(f"r{i}", prompt, mtok, priority=prio))
@@ -285,3 +287,65 @@ def test_engine_mixes_only_for_ragged_attention(monkeypatch):
     assert mixes_prefill_and_decode(PaddedOps())
     monkeypatch.setenv(MIX_PREFILL_DECODE_ENV, "0")
     assert not mixes_prefill_and_decode(RaggedOps())
+
+
+def test_prompt_token_cap_spreads_a_burst_over_steps():
+    sched = Scheduler(BlockManager(64, 4), 8, 64, mix_prefill_decode=False)
+    sched.prompt_token_cap = 8
+    for k, rid in enumerate("abc"):
+        sched.add_request(make_request(rid, [k + 1] * 6, 10))  # no shared prefix
+    assert _step(sched) == [("a", 6), ("b", 2)]  # 8 prompt tokens; b is chunked
+    assert _step(sched) == [("a", 1)]
+    assert _step(sched) == [("b", 4), ("c", 4)]
+    assert _step(sched) == [("a", 1), ("b", 1)]
+    assert _step(sched) == [("c", 2)]
+
+
+def test_prompt_token_cap_leaves_a_lone_request_alone():
+    sched = Scheduler(BlockManager(64, 4), 8, 64, mix_prefill_decode=False)
+    sched.prompt_token_cap = 8
+    sched.add_request(make_request("a", list(range(1, 21)), 2))
+    assert _step(sched) == [("a", 20)]
+
+
+def test_prompt_token_cap_without_chunking_takes_the_first_prompt_whole():
+    sched = Scheduler(BlockManager(64, 4), 8, 64, enable_chunked_prefill=False, mix_prefill_decode=False)
+    sched.prompt_token_cap = 4
+    sched.add_request(make_request("a", [1] * 6, 10))
+    sched.add_request(make_request("b", [2] * 6, 10))
+    assert _step(sched) == [("a", 6)]
+    assert _step(sched) == [("a", 1)]
+    assert _step(sched) == [("b", 6)]
+
+
+def test_prompt_step_sizer_follows_measured_time():
+    from fastdeploy_core.engine.engine_core import PromptStepSizer
+
+    sizer = PromptStepSizer(target_s=0.5, min_tokens=64, max_tokens=2048, decode_ratio=4.0, smoothing=0.5)
+    assert sizer.cap == 64  # nothing measured yet
+    sizer.observe(prompt_tokens=10, total_tokens=10, seconds=1.0)  # too small a prompt step to measure
+    assert sizer.cap == 64
+    sizer.observe(prompt_tokens=100, total_tokens=100, seconds=0.2)  # 2 ms per token
+    assert sizer.cap == 250
+    sizer.observe(prompt_tokens=0, total_tokens=16, seconds=0.25)  # decode steps of 250 ms: 4 of them = 1 s
+    assert sizer.cap == 500
+    sizer.observe(prompt_tokens=100, total_tokens=100, seconds=0.6)  # slower now: 4 ms per token (average)
+    assert sizer.cap == 250
+    fast = PromptStepSizer(target_s=0.5, min_tokens=64, max_tokens=2048)
+    fast.observe(prompt_tokens=100, total_tokens=100, seconds=0.001)
+    assert fast.cap == 2048  # never above the step budget
+
+
+def test_prompt_step_sizer_env(monkeypatch):
+    from fastdeploy_core.engine.engine_core import PROMPT_STEP_TARGET_ENV, PromptStepSizer
+    from fastdeploy_core.errors import ConfigError
+
+    monkeypatch.setenv(PROMPT_STEP_TARGET_ENV, "0")
+    assert PromptStepSizer.from_env(64, 2048) is None
+    monkeypatch.setenv(PROMPT_STEP_TARGET_ENV, "250")
+    assert PromptStepSizer.from_env(64, 2048).target_s == 0.25
+    monkeypatch.setenv(PROMPT_STEP_TARGET_ENV, "fast")
+    with pytest.raises(ConfigError, match=PROMPT_STEP_TARGET_ENV):
+        PromptStepSizer.from_env(64, 2048)
+    monkeypatch.delenv(PROMPT_STEP_TARGET_ENV)
+    assert PromptStepSizer.from_env(64, 32).cap == 32  # the budget bounds the smallest step too

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_core.config import EngineArgs
-from fastdeploy_core.engine.engine_core import EngineCore
+from fastdeploy_core.engine.engine_core import MIX_PREFILL_DECODE_ENV, PROMPT_STEP_TARGET_ENV, EngineCore
 from fastdeploy_core.engine.outputs import EngineCoreRequest
 from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.errors import (
@@ -357,10 +357,13 @@ def test_bad_engine_settings_are_typed(gqa_model, tmp_path):
     assert "NoSuchForCausalLM" in str(info.value)
 
 
-def test_requests_joining_mid_flight_match_alone(tiny):
-    """Continuous batching: prompts arrive while others decode (mixed prefill + decode steps)."""
+@pytest.mark.parametrize("mix", ["1", "0"], ids=["mixed_steps", "unmixed_steps"])
+def test_requests_joining_mid_flight_match_alone(tiny, mix, monkeypatch):
+    """Continuous batching: prompts arrive while others decode (in one step, or in alternate ones)."""
+    monkeypatch.setenv(MIX_PREFILL_DECODE_ENV, mix)
     path, _, refs = tiny
     core = make_core(path, max_num_batched_tokens=7)
+    assert core.scheduler.mix_prefill_decode == (mix == "1")
     got: dict[str, list[int]] = {}
     pending = [(f"r{i}", p) for i, p in enumerate(PROMPTS)]
     steps = 0
@@ -374,3 +377,18 @@ def test_requests_joining_mid_flight_match_alone(tiny):
     for i in range(len(PROMPTS)):
         assert got[f"r{i}"] == refs[i], f"prompt {i}"
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def test_prompt_steps_are_capped_from_measured_time(gqa_model, monkeypatch):
+    path, _ = gqa_model
+    monkeypatch.delenv(PROMPT_STEP_TARGET_ENV, raising=False)
+    core = make_core(path)
+    assert core.scheduler.prompt_token_cap == core.prompt_sizer.min_tokens  # nothing measured yet
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 100, size=70).tolist() for _ in range(2)]
+    outs = run(core, [(f"r{i}", p, greedy(4)) for i, p in enumerate(prompts)])
+    assert all(outs[(f"r{i}", 0)][-1].finished for i in range(2))
+    assert core.prompt_sizer.seconds_per_token > 0  # a prompt step was measured
+    assert core.scheduler.prompt_token_cap == core.prompt_sizer.cap
+    monkeypatch.setenv(PROMPT_STEP_TARGET_ENV, "0")
+    assert make_core(path).scheduler.prompt_token_cap is None
