@@ -19,6 +19,8 @@
 // The caches are [num_blocks, block_size, kvh, d] float32 and are written in place: they are
 // the engine's long-lived KV buffers, not values of a graph (the ops run eagerly on the cpu).
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -41,9 +43,15 @@ inline f32x16 load16(const float* p) {
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline float hsum(f32x16 v) {
+#if defined(__AVX512F__)
+  __m512 r;
+  std::memcpy(&r, &v, sizeof(r));
+  return _mm512_reduce_add_ps(r);  // a few shuffles instead of 16 dependent scalar adds
+#else
   float s = 0.f;
   for (int i = 0; i < 16; ++i) s += v[i];
   return s;
+#endif
 }
 
 inline float dot(const float* a, const float* b, int64_t d) {
@@ -67,7 +75,8 @@ inline void axpy(float w, const float* x, float* y, int64_t d) {
 
 inline void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < d; ++i) out[i] = x[i] * cos[i] + x[(i + half) % d] * sin[i];
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
+  for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
 void check_cache(const paddle::Tensor& cache, const char* name, int64_t kvh, int64_t d) {
