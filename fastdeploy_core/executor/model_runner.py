@@ -49,6 +49,7 @@ from fastdeploy_core.engine.scheduler import SchedulerOutput
 from fastdeploy_core.errors import ConfigError, ModelLoadError, OutOfKVCacheError
 from fastdeploy_core.executor.forward_meta import ForwardMeta
 from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs
+from fastdeploy_core.host_memory import returned_after_loading
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class ModelRunner:
 
     def __init__(self, args: EngineArgs, plugin_manager=None):
         from fastdeploy_core.loader import load_model_weights, resolve_model_source
+        from fastdeploy_core.loader.gguf_loader import close_gguf_readers
         from fastdeploy_core.plugins import load_plugins
 
         self.args = args
@@ -98,11 +100,13 @@ class ModelRunner:
         if self.kv_quantizer is not None:
             self.ops = self.kv_quantizer.wrap_ops(self.ops)
             set_current_ops(self.ops)
-        try:
-            self.model = model_cls(self.source.hf_config, quant_config=self.quantizer)
-        except ImportError as exc:
-            raise self._import_error(pm, exc) from exc
-        load_model_weights(self.model, self.source)
+        with returned_after_loading():
+            try:
+                self.model = model_cls(self.source.hf_config, quant_config=self.quantizer)
+            except ImportError as exc:
+                raise self._import_error(pm, exc) from exc
+            load_model_weights(self.model, self.source)
+            close_gguf_readers()
         self.model.eval()
 
         cfg = self.source.hf_config

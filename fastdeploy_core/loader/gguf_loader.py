@@ -97,6 +97,16 @@ def open_gguf(path: str):
         return reader
 
 
+def close_gguf_readers() -> None:
+    """Forget the cached reader, unmapping its file once nothing else holds its arrays.
+
+    Called after a model's weights are in place: the map would otherwise keep every page of the
+    file the loader touched (the whole file, ~96 MB for the default model) in the process.
+    """
+    with _readers_lock:
+        _readers.clear()
+
+
 def gguf_metadata(reader) -> dict:
     """All scalar and string metadata of a GGUF file (arrays except small ones are skipped)."""
     meta = {}
