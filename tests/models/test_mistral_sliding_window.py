@@ -23,23 +23,10 @@ from fastdeploy_core.loader import load_model_weights, resolve_model_source
 from fastdeploy_core.plugins import load_plugins
 from fastdeploy_core.quantization.cpu_ops import CpuOps
 from tests.models.paged_harness import PagedHarness
+from tests.models.test_tiny_llama_configs import BASE
 
-CONFIG = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-    initializer_range=0.25,
-    sliding_window=6,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
+# The tiny Llama sizes of the Llama config tests, with Mistral's window.
+CONFIG = {**BASE, "max_position_embeddings": 128, "sliding_window": 6, "tie_word_embeddings": False}
 PROMPTS = [
     [1, 5, 17, 33, 8, 60, 42, 11, 9],
     [1, 90, 3],
