@@ -1,19 +1,21 @@
 """Our server beside llama.cpp's servers on the same GGUF, 2 threads, at 1, 16 and 64 concurrent requests.
 
-One run measures both, one server at a time (they would fight over the 2 cores otherwise), with
-the very same locally generated prompts (``fastdeploy bench serve``'s random dataset), greedy,
-``max_tokens`` = --output-len. Writes benchmarks/results/serve_vs_llamacpp.{json,png,md}.
+One run measures every server chosen with ``--servers`` (default: ours and the native
+``llama-server``), with the very same locally generated prompts (``fastdeploy bench serve``'s
+random dataset), greedy, ``max_tokens`` = --output-len. All servers are started first; then each
+concurrency level runs on each server in turn (one benchmark at a time: they would fight over
+the 2 cores otherwise; an idle server costs next to nothing). Each row records the load average
+before and after it and the server's RSS (ours: the engine core process). Writes
+benchmarks/results/serve_vs_llamacpp[_TAG].{json,png,md}.
 
-The llama.cpp peer is ``llama-cpp-python[server]`` in its own venv::
+The fair llama.cpp peer is its native ``llama-server -np N`` (batches requests over parallel
+slots), built from the llama.cpp source vendored in the llama-cpp-python sdist with cmake
+(``-DLLAMA_CURL=OFF``, ``--target llama-server``) into benchmarks/.peers/llamacpp-native/.
+``python -m llama_cpp.server`` (``--servers ...,llama-cpp-python``, its own venv under
+benchmarks/.peers/llamacpp) serves one request at a time behind a lock (MEASURED.md)::
 
-    python3 -m venv benchmarks/.peers/llamacpp
-    CMAKE_ARGS="-DGGML_NATIVE=ON" benchmarks/.peers/llamacpp/bin/pip install "llama-cpp-python[server]"
-    .venv/bin/python benchmarks/serve_vs_llamacpp.py
-
-Note (MEASURED.md): ``python -m llama_cpp.server`` serves one request at a time behind a lock;
-llama.cpp's native ``llama-server -np N`` batches. When benchmarks/.peers/llamacpp-native/llama-server
-exists (built with cmake from the llama.cpp source in the llama-cpp-python sdist, -DLLAMA_CURL=OFF),
-it is measured too.
+    .venv/bin/python benchmarks/serve_vs_llamacpp.py                      # ours and llama-server
+    .venv/bin/python benchmarks/serve_vs_llamacpp.py --servers ours --tag ours_only
 """
 
 from __future__ import annotations
@@ -106,65 +108,158 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+SERVERS = {
+    "ours": ("fastdeploy-core", start_ours),
+    "llama-server": ("llama.cpp llama-server -np 64", start_llamacpp_native),
+    "llama-cpp-python": ("llama-cpp-python", start_llamacpp),
+}
+
+
+def memory_mb(pid: int) -> dict[str, float]:
+    """VmRSS (now) and VmHWM (peak) of ``pid`` in MiB."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) / 1024
+    return {"rss_mb": out.get("VmRSS", 0.0), "peak_rss_mb": out.get("VmHWM", 0.0)}
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input-words", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--levels", default="1,16,64")
+    parser.add_argument("--servers", default="ours,llama-server",
+                        help=f"comma-separated, in order: {', '.join(SERVERS)} (llama-server only if built)")
+    parser.add_argument("--tag", default="", help="suffix of the result files (default: none)")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
+    keys = [k.strip() for k in args.servers.split(",") if k.strip()]
+    for k in keys:
+        if k not in SERVERS:
+            raise SystemExit(f"unknown server {k!r}; choose from {', '.join(SERVERS)}")
+    if "llama-server" in keys and not os.path.exists(NATIVE_SERVER):
+        print(f"note: {NATIVE_SERVER} is not built; skipping it", file=sys.stderr)
+        keys.remove("llama-server")
     max_model_len = 1024
     results_dir = os.path.join(HERE, "results")
     os.makedirs(results_dir, exist_ok=True)
-    log = open(os.path.join(results_dir, "serve_vs_llamacpp_servers.log"), "w")
+    stem = os.path.join(results_dir, "serve_vs_llamacpp" + (f"_{args.tag}" if args.tag else ""))
+    log = open(stem + "_servers.log", "w")
     runs: list[dict] = []
     commands = {}
-    servers = [("fastdeploy-core", start_ours), ("llama-cpp-python", start_llamacpp)]
-    if os.path.exists(NATIVE_SERVER):
-        servers.append(("llama.cpp llama-server -np 64", start_llamacpp_native))
-    for name, starter in servers:
-        port = free_port()
-        proc, commands[name] = starter(port, max_model_len, log)
-        try:
+    started: dict[str, tuple[subprocess.Popen, str]] = {}
+    ours_info: dict = {}
+    load_before = load()
+    try:
+        # every server up front, then each level runs on each server in turn: a load change on
+        # this shared machine then hits one level of every server alike, not one server
+        for key in keys:
+            name, starter = SERVERS[key]
+            port = free_port()
+            proc, commands[name] = starter(port, max_model_len, log)
             base = f"http://127.0.0.1:{port}"
+            started[key] = (proc, base)
             # warm-up: one short request (first-call allocations)
             asyncio.run(run_benchmark(base, "openai", None, make_requests("random", 1, 8, 4, 99), 1, float("inf"), None))
-            for conc in levels:
-                reqs = make_requests("random", LEVELS.get(conc, conc), args.input_words, args.output_len, seed=conc)
+            if key == "ours":
+                info = httpx.get(f"{base}/config-info", timeout=10).json()
+                engine = info.get("engine", {})
+                ours_info = {
+                    "engine_core_pid": info.get("engine_core_pid"),
+                    "weight_bytes": engine.get("weight_bytes"),
+                    "kv_cache_bytes": engine.get("kv_cache_bytes"),
+                    "num_gpu_blocks": engine.get("num_gpu_blocks"),
+                    "block_size": engine.get("block_size"),
+                    "max_num_batched_tokens": engine.get("max_num_batched_tokens"),
+                    "attention_backend": engine.get("attention_backend"),
+                    "after_warmup": memory_mb(info["engine_core_pid"]),
+                }
+        for conc in levels:
+            reqs = make_requests("random", LEVELS.get(conc, conc), args.input_words, args.output_len, seed=conc)
+            for key in keys:
+                name = SERVERS[key][0]
+                proc, base = started[key]
+                before = load()
                 summary = asyncio.run(run_benchmark(base, "openai", None, reqs, conc, float("inf"), None))
                 summary.pop("per_request", None)
-                summary.update(server=name, concurrency=conc, label=f"{name} c={conc}")
-                print(f"\n== {name}, concurrency {conc}, {len(reqs)} prompts ==\n{format_summary(summary)}", flush=True)
+                summary.update(server=name, concurrency=conc, label=f"{name} c={conc}", load_before=before,
+                               load_after=load())
+                summary["memory"] = memory_mb(ours_info["engine_core_pid"] if key == "ours" else proc.pid)
+                print(f"\n== {name}, concurrency {conc}, {len(reqs)} prompts, load {before} -> {summary['load_after']} "
+                      f"==\n{format_summary(summary)}\nmemory {summary['memory']}", flush=True)
                 runs.append(summary)
-        finally:
+    finally:
+        for proc, _ in started.values():
             stop(proc)
 
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, load average at end {os.getloadavg()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+        "load_before": load_before,
+        "load_after": load(),
         "model": default_model_path(),
-        "prompts": f"random words, {args.input_words} words in, max_tokens {args.output_len}, greedy",
+        "prompts": f"random words, {args.input_words} words in, max_tokens {args.output_len}, greedy, eos ignored",
         "commands": commands,
+        "fastdeploy_engine": ours_info,
         "runs": runs,
     }
-    with open(os.path.join(results_dir, "serve_vs_llamacpp.json"), "w") as f:
+    with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
-    plot_summaries([(r["label"], r) for r in runs], os.path.join(results_dir, "serve_vs_llamacpp.png"))
-    rows = ["| server | concurrency | prompts | output tok/s | req/s | TTFT median / p99 ms | TPOT median ms | "
-            "ITL median ms | E2EL median ms | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    try:
+        plot_summaries([(r["label"], r) for r in runs], stem + ".png")
+    except SystemExit as exc:
+        print(f"note: no plot ({exc})", file=sys.stderr)
+    rows = ["| server | concurrency | prompts | output tok/s | TTFT median / p99 ms | TPOT median ms | "
+            "ITL median ms | E2EL median ms | failed | server RSS / peak MiB | load 1m before -> after |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
+        m = r["memory"]
         rows.append(
             f"| {r['server']} | {r['concurrency']} | {r['num_prompts']} | {r['output_throughput']:.1f} | "
-            f"{r['request_throughput']:.2f} | {r['ttft_ms']['median']:.0f} / {r['ttft_ms']['p99']:.0f} | "
-            f"{r['tpot_ms']['median']:.0f} | {r['itl_ms']['median']:.0f} | {r['e2el_ms']['median']:.0f} | {r['failed']} |"
+            f"{r['ttft_ms']['median']:.0f} / {r['ttft_ms']['p99']:.0f} | {r['tpot_ms']['median']:.0f} | "
+            f"{r['itl_ms']['median']:.0f} | {r['e2el_ms']['median']:.0f} | {r['failed']} | "
+            f"{m['rss_mb']:.0f} / {m['peak_rss_mb']:.0f} | {r['load_before'][0]:.2f} -> {r['load_after'][0]:.2f} |"
         )
-    with open(os.path.join(results_dir, "serve_vs_llamacpp.md"), "w") as f:
-        f.write(f"# fastdeploy-core server vs llama-cpp-python server ({result['date']})\n\n")
-        f.write(f"{result['machine']}; {result['prompts']}; one server at a time, same prompts.\n\n")
-        f.write("\n".join(rows) + "\n\nCommands:\n\n")
+    ratio_rows = []
+    by = {(r["server"], r["concurrency"]): r for r in runs}
+    peer = SERVERS["llama-server"][0]
+    for conc in levels:
+        a, b = by.get((SERVERS["ours"][0], conc)), by.get((peer, conc))
+        if a and b and b["output_throughput"] and b["ttft_ms"]["median"]:
+            ratio_rows.append(
+                f"| {conc} | {a['output_throughput'] / b['output_throughput']:.2f}x | "
+                f"{a['ttft_ms']['median'] / b['ttft_ms']['median']:.2f}x |"
+            )
+    with open(stem + ".md", "w") as f:
+        f.write(f"# fastdeploy-core server vs llama.cpp's llama-server ({result['date']})\n\n")
+        f.write(f"{result['machine']}, load average (1/5/15 min) {load_before} at start, {result['load_after']} "
+                f"at end; {result['prompts']}; every server up, each level run on each server in turn, "
+                "same prompts.\n\n")
+        f.write("\n".join(rows) + "\n")
+        if ratio_rows:
+            f.write("\n| concurrency | ours / llama-server output tok/s | ours / llama-server TTFT median |\n"
+                    "|---|---|---|\n" + "\n".join(ratio_rows) + "\n")
+        if ours_info:
+            mib = 1 << 20
+            w, kv = ours_info.get("weight_bytes") or 0, ours_info.get("kv_cache_bytes") or 0
+            f.write(f"\nfastdeploy-core engine process: weights {w / mib:.0f} MiB (float32 state dict), KV cache "
+                    f"budget {kv / mib:.0f} MiB ({ours_info.get('num_gpu_blocks')} blocks of "
+                    f"{ours_info.get('block_size')} tokens, committed by the OS only as it fills); weights + KV "
+                    f"budget + 300 MiB = {(w + kv) / mib + 300:.0f} MiB; RSS after warm-up "
+                    f"{ours_info['after_warmup']['rss_mb']:.0f} MiB.\n")
+        f.write("\nCommands:\n\n")
         for name, cmd in commands.items():
             f.write(f"- {name}: `{cmd}`\n")
     print("\n".join(rows))
+    if ratio_rows:
+        print("\n".join(ratio_rows))
 
 
 if __name__ == "__main__":

@@ -382,8 +382,8 @@ def test_requests_joining_mid_flight_match_alone(tiny, mix, monkeypatch):
 def test_prompt_steps_are_capped_from_measured_time(gqa_model, monkeypatch):
     path, _ = gqa_model
     monkeypatch.delenv(PROMPT_STEP_TARGET_ENV, raising=False)
-    core = make_core(path)
-    assert core.scheduler.prompt_token_cap == core.prompt_sizer.min_tokens  # nothing measured yet
+    core = make_core(path, max_num_batched_tokens=100)  # the smallest capped step is then 100 tokens
+    assert core.scheduler.prompt_token_cap == core.prompt_sizer.min_tokens == 100  # nothing measured yet
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 100, size=70).tolist() for _ in range(2)]
     outs = run(core, [(f"r{i}", p, greedy(4)) for i, p in enumerate(prompts)])
