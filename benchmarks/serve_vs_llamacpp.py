@@ -86,12 +86,13 @@ def start_llamacpp(port: int, max_model_len: int, log) -> tuple[subprocess.Popen
 
 
 NATIVE_SERVER = os.path.join(HERE, ".peers", "llamacpp-native", "llama-server")
+LLAMA_SLOTS = 64  # llama-server -np; --llama-slots
 
 
 def start_llamacpp_native(port: int, max_model_len: int, log) -> tuple[subprocess.Popen, str]:
     """llama.cpp's own ``llama-server`` with 64 parallel slots (built from the llama.cpp source
     vendored in the llama-cpp-python sdist: ``cmake --build build --target llama-server``)."""
-    slots = 64
+    slots = LLAMA_SLOTS
     cmd = [NATIVE_SERVER, "-m", default_model_path(), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
            "-tb", "2", "-np", str(slots), "-c", str(256 * slots), "--alias", "SmolLM2-135M-Instruct"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -138,7 +139,11 @@ def main() -> None:
     parser.add_argument("--servers", default="ours,llama-server",
                         help=f"comma-separated, in order: {', '.join(SERVERS)} (llama-server only if built)")
     parser.add_argument("--tag", default="", help="suffix of the result files (default: none)")
+    parser.add_argument("--llama-slots", type=int, default=64, help="llama-server -np (parallel slots)")
     args = parser.parse_args()
+    global LLAMA_SLOTS
+    LLAMA_SLOTS = args.llama_slots
+    SERVERS["llama-server"] = (f"llama.cpp llama-server -np {LLAMA_SLOTS}", start_llamacpp_native)
     levels = [int(x) for x in args.levels.split(",")]
     keys = [k.strip() for k in args.servers.split(",") if k.strip()]
     for k in keys:
