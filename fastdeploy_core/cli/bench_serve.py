@@ -147,15 +147,19 @@ async def run_benchmark(
     api_key: str | None,
     seed: int = 0,
     timeout: float = 1800.0,
+    transport=None,
 ) -> dict:
     """Send ``requests`` at ``request_rate`` (Poisson; inf = all at once) with at most
-    ``max_concurrency`` in flight; return the summary (times in ms)."""
+    ``max_concurrency`` in flight; return the summary (times in ms, the 1/5/15-minute load
+    averages of this machine before and after: on a shared machine they say what the figures
+    are worth). ``transport`` is an httpx transport (tests)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     path = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
     limits = httpx.Limits(max_connections=max(1, max_concurrency or len(requests)) + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+    load_before = _load_average()
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits, transport=transport) as client:
         if model is None:
             models = (await client.get("/v1/models", headers=headers)).json()
             model = models["data"][0]["id"]
@@ -189,6 +193,8 @@ async def run_benchmark(
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration,
+        "load_before": load_before,
+        "load_after": _load_average(),
         "total_input_tokens": sum(r.prompt_tokens for r in ok),
         "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration if duration else 0.0,
@@ -205,6 +211,13 @@ async def run_benchmark(
     return summary
 
 
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not available on this platform
+        return None
+
+
 def format_summary(s: dict) -> str:
     lines = [
         f"{'Successful requests':<32}{s['completed']}",
@@ -217,6 +230,8 @@ def format_summary(s: dict) -> str:
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL")):
         st = s[key]
         lines.append(f"{label + ' mean/median/p99 (ms)':<32}{st['mean']:.1f} / {st['median']:.1f} / {st['p99']:.1f}")
+    if s.get("load_before") and s.get("load_after"):
+        lines.append(f"{'Load average 1/5/15 min':<32}{s['load_before']} before, {s['load_after']} after")
     if s["errors"]:
         lines.append(f"errors: {s['errors']}")
     return "\n".join(lines)
