@@ -108,6 +108,7 @@ class Int8KVCacheOps:
     # The composed form, bound to this table so it writes and reads the int8 caches (the
     # wrapped table's fused version expects float caches).
     rope_paged_attention = ReferenceOps.rope_paged_attention
+    ragged_attention = False  # the composition pads like the reference (the wrapped table's answer is not ours)
 
     def write_kv_cache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         block_size = k_cache.shape[1]

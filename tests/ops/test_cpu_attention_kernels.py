@@ -121,3 +121,17 @@ def test_kernels_reject_out_of_range_slots_positions_and_blocks(kernels):
             1.0,
             0,
         )
+
+
+def test_cpu_ops_declare_ragged_attention_only_with_their_kernels(kernels):
+    """The scheduler mixes prompt chunks and decodes in one step only when attention is ragged:
+    the cpu table's kernels are; its int8-KV wrapper (the reference composition) is not."""
+    from fastdeploy_core.engine.engine_core import mixes_prefill_and_decode
+    from fastdeploy_core.quantization.cpu_ops import CpuOps
+    from fastdeploy_core.quantization.kv_cache import Int8KVCacheQuantizer
+
+    ops = CpuOps()
+    assert ops.ragged_attention is True and mixes_prefill_and_decode(ops)
+    wrapped = Int8KVCacheQuantizer().wrap_ops(ops)
+    assert wrapped.ragged_attention is False and not mixes_prefill_and_decode(wrapped)
+    assert not mixes_prefill_and_decode(ReferenceOps())

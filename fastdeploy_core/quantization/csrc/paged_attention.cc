@@ -33,6 +33,7 @@
 namespace {
 
 typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 inline f32x16 load16(const float* p) {
   f32x16 v;
@@ -144,47 +145,85 @@ struct AttentionJob {
   float* out;  // [T, h, d]
 };
 
+// exp(x) for x <= 0 (softmax after subtracting the maximum), 16 lanes: x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error < 2e-7, as expf), 2^n built in
+// the exponent bits. Inputs below -87 give 0. The scalar std::exp per score was most of a
+// long prompt's attention time.
+inline f32x16 exp16(f32x16 x_in) {
+  const f32x16 lo = f32x16{} - 87.f;
+  const f32x16 x = x_in < lo ? lo : x_in;
+  const f32x16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), i32x16), f32x16);
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.3888889e-3f;
+  p = p * r + 8.3333333e-3f;
+  p = p * r + 4.1666667e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  const f32x16 e = p * (f32x16)bits;
+  return x_in < lo ? f32x16{} : e;
+}
+
+// Calls fn(p, row) for key positions p in [first, last] with row the key's row in a cache
+// whose blocks are listed in table: one block at a time, no division per key.
+template <typename Fn>
+inline void for_each_key(const int64_t* table, int64_t block_size, int64_t first, int64_t last, const float* cache,
+                         int64_t row_stride, Fn&& fn) {
+  for (int64_t b = first / block_size; b * block_size <= last; ++b) {
+    const int64_t lo = std::max(first, b * block_size), hi = std::min(last, b * block_size + block_size - 1);
+    const float* base = cache + (table[b] * block_size - b * block_size) * row_stride;
+    for (int64_t p = lo; p <= hi; ++p) fn(p, base + p * row_stride);
+  }
+}
+
 void attend(void* ctx, int64_t item) {
   const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
   const int64_t t = item / j.num_kv_heads, g = item % j.num_kv_heads;
   const int64_t group = j.num_heads / j.num_kv_heads, d = j.d;
-  const int64_t first = j.window > 0 ? std::max<int64_t>(0, j.token_pos[t] - j.window + 1) : 0;
-  const int64_t n = j.token_pos[t] + 1 - first;  // keys first .. token_pos[t]
+  const int64_t last = j.token_pos[t];
+  const int64_t first = j.window > 0 ? std::max<int64_t>(0, last - j.window + 1) : 0;
+  const int64_t n = last + 1 - first;  // keys first .. last
   const int64_t* table = j.tables + j.token_seq[t] * j.max_blocks;
   thread_local std::vector<float> scores;
   thread_local std::vector<float> qs;
-  scores.resize(group * n);
+  const int64_t stride = (n + 15) / 16 * 16;  // each head's scores padded to whole vectors
+  scores.assign(group * stride, -INFINITY);
   qs.resize(group * d);
   for (int64_t a = 0; a < group; ++a) {
     const float* src = j.q + (t * j.num_heads + g * group + a) * d;
     for (int64_t i = 0; i < d; ++i) qs[a * d + i] = src[i] * j.scale;
   }
   const int64_t row_stride = j.num_kv_heads * d;
-  for (int64_t p = 0; p < n; ++p) {
-    const int64_t kp = first + p;
-    const int64_t slot = table[kp / j.block_size] * j.block_size + kp % j.block_size;
-    const float* key = j.k + slot * row_stride + g * d;
-    for (int64_t a = 0; a < group; ++a) scores[a * n + p] = dot(qs.data() + a * d, key, d);
-  }
+  float* sc = scores.data();
+  const float* qp = qs.data();
+  for_each_key(table, j.block_size, first, last, j.k + g * d, row_stride, [&](int64_t p, const float* key) {
+    for (int64_t a = 0; a < group; ++a) sc[a * stride + p - first] = dot(qp + a * d, key, d);
+  });
   for (int64_t a = 0; a < group; ++a) {
-    float* s = scores.data() + a * n;
-    float m = s[0];
-    for (int64_t p = 1; p < n; ++p) m = std::max(m, s[p]);
-    float sum = 0.f;
-    for (int64_t p = 0; p < n; ++p) {
-      s[p] = std::exp(s[p] - m);
-      sum += s[p];
+    float* s = sc + a * stride;
+    f32x16 mv = load16(s);
+    for (int64_t p = 16; p < stride; p += 16) {
+      const f32x16 v = load16(s + p);
+      mv = v > mv ? v : mv;
     }
-    const float inv = 1.f / sum;
-    for (int64_t p = 0; p < n; ++p) s[p] *= inv;
+    float m = mv[0];
+    for (int i = 1; i < 16; ++i) m = std::max(m, mv[i]);
+    f32x16 sumv{};
+    for (int64_t p = 0; p < stride; p += 16) {
+      const f32x16 e = exp16(load16(s + p) - m);  // the -inf padding gives 0
+      store16(s + p, e);
+      sumv += e;
+    }
+    const float inv = 1.f / hsum(sumv);
+    for (int64_t p = 0; p < stride; p += 16) store16(s + p, load16(s + p) * inv);
     std::memset(j.out + (t * j.num_heads + g * group + a) * d, 0, d * sizeof(float));
   }
-  for (int64_t p = 0; p < n; ++p) {
-    const int64_t kp = first + p;
-    const int64_t slot = table[kp / j.block_size] * j.block_size + kp % j.block_size;
-    const float* value = j.v + slot * row_stride + g * d;
-    for (int64_t a = 0; a < group; ++a) axpy(scores[a * n + p], value, j.out + (t * j.num_heads + g * group + a) * d, d);
-  }
+  float* out = j.out + (t * j.num_heads + g * group) * d;
+  for_each_key(table, j.block_size, first, last, j.v + g * d, row_stride, [&](int64_t p, const float* value) {
+    for (int64_t a = 0; a < group; ++a) axpy(sc[a * stride + p - first], value, out + a * d, d);
+  });
 }
 
 }  // namespace
