@@ -85,3 +85,21 @@ def paddle_smollm2():
     model.eval()
     load_model_weights(model, source)
     return model
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[np.ndarray, list[int]]:
+    """A transformers model's last-position logits for ``prompt`` and its ``new_tokens`` greedy
+    continuation (eos ignored), as the model tests compare them."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].numpy()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return logits, out[0, len(prompt) :].tolist()

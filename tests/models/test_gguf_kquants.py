@@ -41,6 +41,7 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from fastdeploy_core.loader import iterate_gguf, load_model_weights, resolve_model_source
 from tests.models.paged_harness import PagedHarness
+from tests.models.reference import hf_greedy
 from tests.models.test_gguf_and_bad_inputs import write_llama_gguf
 
 QK_K = 256
@@ -312,17 +313,7 @@ def _tiny_hf():
 
 
 def _hf_greedy(model, prompt):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0, -1].numpy()
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return logits, out[0, len(prompt) :].tolist()
+    return hf_greedy(model, prompt, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda t: t.name)

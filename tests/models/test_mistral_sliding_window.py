@@ -23,6 +23,7 @@ from fastdeploy_core.loader import load_model_weights, resolve_model_source
 from fastdeploy_core.plugins import load_plugins
 from fastdeploy_core.quantization.cpu_ops import CpuOps
 from tests.models.paged_harness import PagedHarness
+from tests.models.reference import hf_greedy
 from tests.models.test_tiny_llama_configs import BASE
 
 # The tiny Llama sizes of the Llama config tests, with Mistral's window.
@@ -48,18 +49,7 @@ def checkpoint(tmp_path_factory):
     hf_model = MistralForCausalLM(MistralConfig(**CONFIG)).eval()
     path = tmp_path_factory.mktemp("mistral")
     hf_model.save_pretrained(path, safe_serialization=True)
-    references = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = hf_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            references.append(out[0, len(prompt) :].tolist())
+    references = [hf_greedy(hf_model, prompt, NEW_TOKENS)[1] for prompt in PROMPTS]
     return str(path), hf_model, references
 
 

@@ -18,6 +18,7 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from fastdeploy_core.loader import load_model_weights, resolve_model_source
 from tests.models.paged_harness import PagedHarness
+from tests.models.reference import hf_greedy
 
 BASE = dict(
     vocab_size=97,
@@ -70,17 +71,7 @@ def _hf_checkpoint(tmp_path_factory, name: str):
 
 
 def _hf_greedy(model, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0, -1].numpy()
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return logits, out[0, len(prompt) :].tolist()
+    return hf_greedy(model, prompt, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -15,13 +15,12 @@ import paddle
 import pytest
 
 from fastdeploy_core.devices.cpu import CpuDevice
-from fastdeploy_core.devices.current import current_ops, set_current_ops
+from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.layers.linear import Linear, MergedColumnLinear, QKVLinear
 from fastdeploy_core.quantization.cpu_ops import CpuOps
 from fastdeploy_core.quantization.fp8 import BlockWiseFP8, quantize_block_fp8
-from fastdeploy_core.quantization.kernels import kernel_failure, load_kernels
 from fastdeploy_core.quantization.w4a8 import W4A8
 from fastdeploy_core.quantization.w8a8 import W8A8
 from fastdeploy_core.quantization.weight_only import (
@@ -47,20 +46,6 @@ METHODS = {
 def rel(a, b) -> float:
     a, b = np.asarray(a), np.asarray(b)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
-
-
-@pytest.fixture(autouse=True)
-def _restore_ops():
-    previous = current_ops()
-    yield
-    set_current_ops(previous)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = load_kernels()
-    assert module is not None, f"the cpu kernels must build on this machine: {kernel_failure()}"
-    return module
 
 
 def gaussian(rng, shape, scale=1.0):
