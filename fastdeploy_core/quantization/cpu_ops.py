@@ -1,9 +1,10 @@
-"""The cpu device's quantized linear ops: the C++ kernels, or the reference formulas without them.
+"""The cpu device's ops table: the C++ kernels of ``csrc/``, or the reference formulas without them.
 
-:class:`CpuOps` is the cpu device's ops table: :class:`ReferenceOps` plus one op per
-quantization method. Each op takes the storage arguments of its quantizer's ``op_args`` and
-computes exactly its ``reference_op``; when the kernels cannot be built (see
-:mod:`fastdeploy_core.quantization.kernels`) the op runs that reference formula itself.
+:class:`CpuOps` is :class:`ReferenceOps` with linear layers (float32 and one op per
+quantization method), the attention block and RMSNorm on the kernels. Each quantized op takes
+the storage arguments of its quantizer's ``op_args`` and computes exactly its ``reference_op``;
+when the kernels cannot be built (see :mod:`fastdeploy_core.quantization.kernels`) every op runs
+the reference formula and weights keep the plain layout.
 """
 
 from __future__ import annotations
@@ -68,10 +69,10 @@ class CpuQuantOps:
 
 
 class CpuOps(CpuQuantOps, ReferenceOps):
-    """The cpu device's ops table: plain-Paddle reference ops plus the C++ linear kernels.
+    """The cpu device's ops table: plain-Paddle reference ops plus the C++ kernels.
 
-    Linear weights (float32 and quantized storage) are stored packed, ``[out / 32, rows, 32]`` (each 32-column tile one
-    contiguous stream), and multiplied by ``fd_f32_linear``: on this machine a batch-1 decode
+    Linear weights (float32 and quantized storage) are stored packed, ``[out / 32, rows, 32]``
+    (each 32-column tile one contiguous stream), and multiplied by the kernels: on this machine a batch-1 decode
     reads them at ~25-40 GB/s instead of MKL's ~15 (rows of a row-major ``[in, out]`` weight
     are 128-byte pieces 4*out bytes apart, which the hardware prefetcher does not follow), and
     batch 16 runs 8-row register tiles. Weights whose width is not a multiple of 32 stay
