@@ -103,6 +103,11 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         normed, summed = _run("fd_add_rms_norm", x, residual, weight, eps)
         return normed, summed
 
+    def silu_and_mul(self, x: paddle.Tensor) -> paddle.Tensor:
+        if not (self._have_kernels or self._ready()) or x.dtype != paddle.float32:
+            return ReferenceOps.silu_and_mul(self, x)
+        return _run("fd_silu_mul", x)[0]
+
     @property
     def ragged_attention(self) -> bool:
         """With the kernels, attention costs what each sequence's own query rows cost, however a

@@ -1,7 +1,7 @@
 """The cpu device's C++ kernels: custom ops built once per machine, loaded on first use.
 
 ``csrc/weight_only_gemm.cc`` (float32 and quantized linear layers), ``csrc/paged_attention.cc``
-(rotary + KV write, paged attention) and ``csrc/rms_norm.cc`` are compiled with ``paddle.utils.cpp_extension`` (gcc,
+(rotary + KV write, paged attention), ``csrc/rms_norm.cc`` and ``csrc/activation.cc`` (SwiGLU) are compiled with ``paddle.utils.cpp_extension`` (gcc,
 ``-O3 -march=native``, its own thread pool) into a cache directory (``$FD_KERNEL_CACHE``, default
 ``~/.cache/fastdeploy/kernels``) under a name that hashes the source, the flags, the Paddle
 version and the CPU's feature flags, so a changed source or another machine builds afresh and
@@ -28,8 +28,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = (_CSRC / "weight_only_gemm.cc", _CSRC / "paged_attention.cc", _CSRC / "rms_norm.cc")
-HEADERS = (_CSRC / "thread_pool.h",)
+SOURCES = (_CSRC / "weight_only_gemm.cc", _CSRC / "paged_attention.cc", _CSRC / "rms_norm.cc", _CSRC / "activation.cc")
+HEADERS = (_CSRC / "thread_pool.h", _CSRC / "vector_math.h")
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
 LD_FLAGS = ["-pthread"]
 DISABLE_ENV = "FD_DISABLE_QUANT_KERNELS"
@@ -96,7 +96,7 @@ def _build(name: str, build_dir: Path):
 
 def load_kernels():
     """The kernel module (``fd_f32_linear``, ``fd_int8_linear``, ``fd_int4_linear``, ``fd_fp8_linear``,
-    ``fd_rope_write_kv``, ``fd_paged_attention``, ``fd_rms_norm``, ``fd_add_rms_norm``) or ``None``."""
+    ``fd_rope_write_kv``, ``fd_paged_attention``, ``fd_rms_norm``, ``fd_add_rms_norm``, ``fd_silu_mul``) or ``None``."""
     global _module, _failure, _tried
     if _tried:
         return _module

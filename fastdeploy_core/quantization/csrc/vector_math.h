@@ -1,0 +1,42 @@
+// 16-float vectors (GCC vector extensions: AVX-512 registers with -march=native, pairs of AVX2
+// registers elsewhere) and the vector math the cpu kernels share.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace fd_kernels {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum), 16 lanes: x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error < 2e-7, as expf), 2^n built in
+// the exponent bits. Inputs below -87 give 0. The scalar std::exp per score was most of a
+// long prompt's attention time.
+inline f32x16 exp16(f32x16 x_in) {
+  const f32x16 lo = f32x16{} - 87.f;
+  const f32x16 x = x_in < lo ? lo : x_in;
+  const f32x16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), i32x16), f32x16);
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.3888889e-3f;
+  p = p * r + 8.3333333e-3f;
+  p = p * r + 4.1666667e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  const f32x16 e = p * (f32x16)bits;
+  return x_in < lo ? f32x16{} : e;
+}
+
+}  // namespace fd_kernels
