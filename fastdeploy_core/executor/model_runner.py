@@ -260,6 +260,9 @@ class ModelRunner:
         """
         if out.is_empty:
             return []
+        # The ops table is process-wide; another engine in this process may have installed its
+        # own since (e.g. an int8-KV one), and this model's weights and caches are laid out for ours.
+        set_current_ops(self.ops)
         meta = self.prepare_inputs(out)
         hidden = self.model.forward(meta, self.kv_caches)
         self._prompt_logprobs(out, meta, hidden)

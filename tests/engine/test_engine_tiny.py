@@ -392,3 +392,16 @@ def test_prompt_steps_are_capped_from_measured_time(gqa_model, monkeypatch):
     assert core.scheduler.prompt_token_cap == core.prompt_sizer.cap
     monkeypatch.setenv(PROMPT_STEP_TARGET_ENV, "0")
     assert make_core(path).scheduler.prompt_token_cap is None
+
+
+def test_two_engines_in_one_process_each_run_their_own_ops(gqa_model):
+    """An int8-KV engine built before a float one keeps working after it: each step installs
+    its own ops table (the float engine's would write float rows into the int8 caches)."""
+    path, _ = gqa_model
+    prompt = [5, 9, 17, 33, 2, 7]
+    int8_core = make_core(path, kv_cache_dtype="int8")
+    alone = tokens(run(int8_core, [("a", prompt, greedy())]), "a")
+    float_core = make_core(path)
+    float_tokens = tokens(run(float_core, [("f", prompt, greedy())]), "f")
+    assert tokens(run(int8_core, [("b", prompt, greedy())]), "b") == alone
+    assert tokens(run(float_core, [("g", prompt, greedy())]), "g") == float_tokens
