@@ -53,20 +53,11 @@ def transformers_smollm2_reference() -> dict:
     model.eval()
     prompt = tokenizer.apply_chat_template(CHAT_MESSAGES, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, -1].float().numpy()
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=NUM_GREEDY_TOKENS,
-            min_new_tokens=NUM_GREEDY_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+    logits, generated = hf_greedy(model, ids, NUM_GREEDY_TOKENS, pad_token_id=tokenizer.pad_token_id)
     result = {
         "ids": np.asarray(ids, dtype=np.int64),
         "logits": logits.astype(np.float32),
-        "generated": out[0, len(ids) :].numpy().astype(np.int64),
+        "generated": np.asarray(generated, dtype=np.int64),
     }
     np.savez(cache_file + ".tmp.npz", **result)
     os.replace(cache_file + ".tmp.npz", cache_file)
@@ -87,19 +78,19 @@ def paddle_smollm2():
     return model
 
 
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[np.ndarray, list[int]]:
+def hf_greedy(model, prompt: list[int], new_tokens: int, pad_token_id: int | None = 0) -> tuple[np.ndarray, list[int]]:
     """A transformers model's last-position logits for ``prompt`` and its ``new_tokens`` greedy
     continuation (eos ignored), as the model tests compare them."""
     import torch
 
     with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0, -1].numpy()
+        logits = model(torch.tensor([prompt])).logits[0, -1].float().numpy()
         out = model.generate(
             torch.tensor([prompt]),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
             eos_token_id=None,
-            pad_token_id=0,
+            pad_token_id=pad_token_id,
         )
     return logits, out[0, len(prompt) :].tolist()

@@ -16,7 +16,7 @@ import torch
 from fd_llama.llama import LlamaForCausalLM
 from transformers import MistralConfig, MistralForCausalLM
 
-from fastdeploy_core.devices.current import current_ops, set_current_ops
+from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.loader import load_model_weights, resolve_model_source
@@ -36,11 +36,7 @@ PROMPTS = [
 NEW_TOKENS = 14
 
 
-@pytest.fixture(autouse=True)
-def _restore_ops():
-    previous = current_ops()
-    yield
-    set_current_ops(previous)
+pytestmark = pytest.mark.usefixtures("restore_ops")  # tests install ops tables (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

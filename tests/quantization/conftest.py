@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from fastdeploy_core.devices.current import current_ops, set_current_ops
 from fastdeploy_core.quantization.kernels import kernel_failure, load_kernels
 
 
 @pytest.fixture(autouse=True)
-def _restore_ops():
-    previous = current_ops()
+def _restore_ops(restore_ops):
+    """Every quantization test may install an ops table; tests/conftest.py's fixture restores it."""
     yield
-    set_current_ops(previous)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import numpy as np
 import paddle
 import pytest
 
-from fastdeploy_core.devices.current import current_ops, set_current_ops
+from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.executor.forward_meta import ForwardMeta
@@ -29,13 +29,6 @@ from fastdeploy_core.quantization.weight_only import WeightOnlyInt4, WeightOnlyI
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants
-
-
-@pytest.fixture(autouse=True)
-def _restore_ops():
-    previous = current_ops()
-    yield
-    set_current_ops(previous)
 
 
 def _gguf_tensor(type_name: str, shape=(96, 128), seed=0):
