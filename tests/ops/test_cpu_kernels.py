@@ -1,4 +1,5 @@
-"""The cpu device's C++ attention ops called directly: ``fd_rope_write_kv`` and ``fd_paged_attention``.
+"""The cpu device's C++ ops called directly: ``fd_rope_write_kv``, ``fd_paged_attention``, and the
+input checks of ``fd_rms_norm`` / ``fd_add_rms_norm`` / ``fd_silu_mul``.
 
 The conformance kit (``check_rope_paged_attention``) compares the fused block as the cpu ops
 table runs it; these tests call the kernels themselves, including query runs longer than the
@@ -135,3 +136,15 @@ def test_cpu_ops_declare_ragged_attention_only_with_their_kernels(kernels):
     wrapped = Int8KVCacheQuantizer().wrap_ops(ops)
     assert wrapped.ragged_attention is False and not mixes_prefill_and_decode(wrapped)
     assert not mixes_prefill_and_decode(ReferenceOps())
+
+
+def test_norm_and_swiglu_kernels_check_their_inputs(kernels):
+    x = paddle.ones([2, 8])
+    with pytest.raises(Exception, match="weight must have the hidden size 8"):
+        kernels.fd_rms_norm(x, paddle.ones([7]), 1e-6)
+    with pytest.raises(Exception, match="residual must be float32 shaped like x"):
+        kernels.fd_add_rms_norm(x, paddle.ones([2, 7]), paddle.ones([8]), 1e-6)
+    with pytest.raises(Exception, match="must hold gate and up halves"):
+        kernels.fd_silu_mul(paddle.ones([2, 7]))
+    out = kernels.fd_silu_mul(paddle.to_tensor(np.array([[0.0, 1.0, 2.0, 3.0]], dtype=np.float32)))
+    np.testing.assert_allclose(out.numpy(), [[0.0 * 2.0, 3.0 / (1.0 + np.exp(-1.0))]], rtol=1e-6)
