@@ -76,6 +76,43 @@ def test_kernels_match_the_reference_ops(specs, window, kernels):
     np.testing.assert_allclose(out.numpy().reshape(want.shape), want.numpy(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "specs",
+    [[(1, 1500)], [(2, 700)], [(1, 30)], [(6, 200), (1, 9)]],
+    ids=["one_long_decode_split_by_head", "two_long_decodes_split", "one_short_decode_inline", "rows_per_token"],
+)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 32), (2, 1, 128), (6, 2, 24), (4, 4, 16)])
+def test_paged_attention_every_head_size_and_work_split(specs, heads, kv_heads, head_dim, kernels):
+    """Head sizes 16/32/64/128 run register-tiled code, others (24) the generic loops; a step with
+    few query tokens over thousands of keys gives each kv head its own work item, other steps
+    give each token one item over whole cache rows. All must equal the reference."""
+    block_size, num_blocks = 16, 200
+    rng = np.random.default_rng(7)
+    pool = BlockPool(num_blocks, seed=3)
+    chunks = [(list(range(q)), ctx, pool.take(blocks_for(q + ctx, block_size))) for q, ctx in specs]
+    meta = build_meta(chunks, block_size)
+    total = sum(q for q, _ in specs)
+    q = rng.standard_normal((total, heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    scale = head_dim**-0.5
+    for window in (0, 100):
+        want = ReferenceOps().paged_attention(
+            paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), meta, scale, window or None
+        )
+        out = kernels.fd_paged_attention(
+            paddle.to_tensor(q),
+            paddle.to_tensor(k),
+            paddle.to_tensor(v),
+            paddle.to_tensor(meta.query_start_loc),
+            paddle.to_tensor(meta.seq_lens),
+            paddle.to_tensor(meta.block_tables),
+            scale,
+            window,
+        )
+        np.testing.assert_allclose(out.numpy().reshape(want.shape), want.numpy(), rtol=1e-4, atol=1e-5)
+
+
 def test_kernels_reject_out_of_range_slots_positions_and_blocks(kernels):
     meta, qkv, (k0, v0) = _case([(2, 3)])
     table = paddle.to_tensor(cos_sin_cache(D, 4).astype(np.float32))  # positions 3 and 4: 4 is outside

@@ -138,68 +138,202 @@ struct AttentionJob {
   const int64_t* token_pos;  // [T]: its position (keys 0..pos are visible)
   const int64_t* tables;     // [B, MB]
   int64_t max_blocks, block_size, num_heads, num_kv_heads, d, window;
+  int64_t heads_per_item;  // kv heads per work item: 1, or all of them (whole cache rows)
   float scale;
   float* out;  // [T, h, d]
 };
 
 // Calls fn(p, row) for key positions p in [first, last] with row the key's row in a cache
 // whose blocks are listed in table: one block at a time, no division per key.
-template <typename Fn>
-inline void for_each_key(const int64_t* table, int64_t block_size, int64_t first, int64_t last, const float* cache,
-                         int64_t row_stride, Fn&& fn) {
+// Rows ahead of the one being read whose K and V lines are requested (prefetched). One item's
+// keys are a short strided walk (one head's 256 bytes of every 768-byte row) that the hardware
+// prefetcher does not pick up before it ends: without asking for rows ahead, a 64-sequence
+// decode step spent most of its attention waiting on DRAM (0.77 -> 0.33 ms per layer hot).
+constexpr int64_t kPrefetchRows = 8;
+
+// Below this many (key, kv head) pairs a step's few query tokens run as one item per token on the
+// calling thread: waking a worker costs more than the work.
+constexpr int64_t kSplitKeys = 4096;
+
+inline void prefetch_row(const float* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(float)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+// The cache offsets (in floats, head 0) of key positions first .. first + n - 1, walking the
+// sequence's block table one block at a time (no division per key).
+void key_offsets(const int64_t* table, int64_t block_size, int64_t first, int64_t n, int64_t row_stride,
+                 int64_t* off) {
+  const int64_t last = first + n - 1;
   for (int64_t b = first / block_size; b * block_size <= last; ++b) {
     const int64_t lo = std::max(first, b * block_size), hi = std::min(last, b * block_size + block_size - 1);
-    const float* base = cache + (table[b] * block_size - b * block_size) * row_stride;
-    for (int64_t p = lo; p <= hi; ++p) fn(p, base + p * row_stride);
+    const int64_t base = table[b] * block_size - b * block_size;
+    for (int64_t p = lo; p <= hi; ++p) off[p - first] = (base + p) * row_stride;
   }
 }
 
+// The 16 sums of 16 vectors: r[i] = sum of v[i]'s lanes (a transpose-and-add tree, ~3
+// instructions per vector instead of a full horizontal reduction each).
+inline f32x16 sum16(const f32x16* v) {
+#if defined(__AVX512F__)
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = (__m512)v[2 * i], b = (__m512)v[2 * i + 1];
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // u[i]'s 128-bit lane L holds lane L's sums of v[4i .. 4i + 3]; add the four lanes.
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return (f32x16)_mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                               _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+#else
+  f32x16 r{};
+  for (int i = 0; i < 16; ++i) r[i] = hsum(v[i]);
+  return r;
+#endif
+}
+
+// Scores s[i] = q . key_i (q already scaled) for n keys at k + off[i], head size 16 * D16:
+// 16 keys at a time, each key's partial products in one vector, then one tree of sums.
+// What the first score pass of a work item asks for: from the row starts k and v, `width`
+// floats of every key row (the K rows kPrefetchRows ahead, the V rows the weighted sums will
+// read). Later passes of the item find the rows in cache and pass k = nullptr.
+struct Prefetch {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t width = 0;
+};
+
+template <int D16>
+void scores_fixed(const float* q, const float* k, const int64_t* off, int64_t n, float* s, const Prefetch& pf) {
+  f32x16 qv[D16];
+  for (int c = 0; c < D16; ++c) qv[c] = load16(q + 16 * c);
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    f32x16 part[16];
+    for (int64_t j = 0; j < m; ++j) {
+      if (pf.k != nullptr) {
+        if (i0 + j + kPrefetchRows < n) prefetch_row(pf.k + off[i0 + j + kPrefetchRows], pf.width);
+        prefetch_row(pf.v + off[i0 + j], pf.width);
+      }
+      const float* row = k + off[i0 + j];
+      f32x16 acc = qv[0] * load16(row);
+      for (int c = 1; c < D16; ++c) acc += qv[c] * load16(row + 16 * c);
+      part[j] = acc;
+    }
+    for (int64_t j = m; j < 16; ++j) part[j] = f32x16{};
+    store16(s + i0, sum16(part));
+  }
+}
+
+// out = sum_i p[i] * value_i for n values at v + off[i], the output row held in registers.
+template <int D16>
+void weighted_sum_fixed(const float* p, const float* v, const int64_t* off, int64_t n, float* out) {
+  f32x16 acc[D16] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = v + off[i];
+    const f32x16 w = f32x16{} + p[i];
+    for (int c = 0; c < D16; ++c) acc[c] += w * load16(row + 16 * c);
+  }
+  for (int c = 0; c < D16; ++c) store16(out + 16 * c, acc[c]);
+}
+
+// Any head size: one dot product per key, values accumulated in the output row.
+void scores_any(const float* q, const float* k, const int64_t* off, int64_t n, int64_t d, float* s,
+                const Prefetch& pf) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (pf.k != nullptr) {
+      if (i + kPrefetchRows < n) prefetch_row(pf.k + off[i + kPrefetchRows], pf.width);
+      prefetch_row(pf.v + off[i], pf.width);
+    }
+    s[i] = dot(q, k + off[i], d);
+  }
+}
+
+void weighted_sum_any(const float* p, const float* v, const int64_t* off, int64_t n, int64_t d, float* out) {
+  std::memset(out, 0, d * sizeof(float));
+  for (int64_t i = 0; i < n; ++i) axpy(p[i], v + off[i], out, d);
+}
+
+void scores(const float* q, const float* k, const int64_t* off, int64_t n, int64_t d, float* s, const Prefetch& pf) {
+  switch (d) {
+    case 16: return scores_fixed<1>(q, k, off, n, s, pf);
+    case 32: return scores_fixed<2>(q, k, off, n, s, pf);
+    case 64: return scores_fixed<4>(q, k, off, n, s, pf);
+    case 128: return scores_fixed<8>(q, k, off, n, s, pf);
+    default: return scores_any(q, k, off, n, d, s, pf);
+  }
+}
+
+void weighted_sum(const float* p, const float* v, const int64_t* off, int64_t n, int64_t d, float* out) {
+  switch (d) {
+    case 16: return weighted_sum_fixed<1>(p, v, off, n, out);
+    case 32: return weighted_sum_fixed<2>(p, v, off, n, out);
+    case 64: return weighted_sum_fixed<4>(p, v, off, n, out);
+    case 128: return weighted_sum_fixed<8>(p, v, off, n, out);
+    default: return weighted_sum_any(p, v, off, n, d, out);
+  }
+}
+
+// Softmax of n scores in place; s is padded with -inf to a whole number of vectors.
+void softmax(float* s, int64_t padded) {
+  f32x16 mv = load16(s);
+  for (int64_t p = 16; p < padded; p += 16) {
+    const f32x16 v = load16(s + p);
+    mv = v > mv ? v : mv;
+  }
+  float m = mv[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, mv[i]);
+  f32x16 sumv{};
+  for (int64_t p = 0; p < padded; p += 16) {
+    const f32x16 e = exp16(load16(s + p) - m);  // the -inf padding gives 0
+    store16(s + p, e);
+    sumv += e;
+  }
+  const float inv = 1.f / hsum(sumv);
+  for (int64_t p = 0; p < padded; p += 16) store16(s + p, load16(s + p) * inv);
+}
+
+// One work item: query token t and kv heads g0 .. g0 + heads_per_item - 1 (with every group of
+// query heads that shares them).
 void attend(void* ctx, int64_t item) {
   const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
-  const int64_t t = item / j.num_kv_heads, g = item % j.num_kv_heads;
+  const int64_t items_per_token = j.num_kv_heads / j.heads_per_item;
+  const int64_t t = item / items_per_token, g0 = item % items_per_token * j.heads_per_item;
   const int64_t group = j.num_heads / j.num_kv_heads, d = j.d;
   const int64_t last = j.token_pos[t];
   const int64_t first = j.window > 0 ? std::max<int64_t>(0, last - j.window + 1) : 0;
   const int64_t n = last + 1 - first;  // keys first .. last
-  const int64_t* table = j.tables + j.token_seq[t] * j.max_blocks;
-  thread_local std::vector<float> scores;
-  thread_local std::vector<float> qs;
   const int64_t stride = (n + 15) / 16 * 16;  // each head's scores padded to whole vectors
-  scores.assign(group * stride, -INFINITY);
-  qs.resize(group * d);
-  for (int64_t a = 0; a < group; ++a) {
-    const float* src = j.q + (t * j.num_heads + g * group + a) * d;
-    for (int64_t i = 0; i < d; ++i) qs[a * d + i] = src[i] * j.scale;
-  }
-  const int64_t row_stride = j.num_kv_heads * d;
-  float* sc = scores.data();
-  const float* qp = qs.data();
-  for_each_key(table, j.block_size, first, last, j.k + g * d, row_stride, [&](int64_t p, const float* key) {
-    for (int64_t a = 0; a < group; ++a) sc[a * stride + p - first] = dot(qp + a * d, key, d);
-  });
-  for (int64_t a = 0; a < group; ++a) {
-    float* s = sc + a * stride;
-    f32x16 mv = load16(s);
-    for (int64_t p = 16; p < stride; p += 16) {
-      const f32x16 v = load16(s + p);
-      mv = v > mv ? v : mv;
+  thread_local std::vector<float> sc, qs;
+  thread_local std::vector<int64_t> off;
+  off.resize(n);
+  sc.resize(stride);
+  qs.resize(d);
+  key_offsets(j.tables + j.token_seq[t] * j.max_blocks, j.block_size, first, n, j.num_kv_heads * d, off.data());
+  Prefetch pf{j.k + g0 * d, j.v + g0 * d, j.heads_per_item * d};
+  for (int64_t i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_row(pf.k + off[i], pf.width);
+  for (int64_t g = g0; g < g0 + j.heads_per_item; ++g) {
+    const float* k = j.k + g * d;
+    const float* v = j.v + g * d;
+    for (int64_t a = 0; a < group; ++a) {
+      const int64_t head = g * group + a;
+      const float* src = j.q + (t * j.num_heads + head) * d;
+      for (int64_t i = 0; i < d; ++i) qs[i] = src[i] * j.scale;
+      float* s = sc.data();
+      scores(qs.data(), k, off.data(), n, d, s, pf);
+      pf = Prefetch{};
+      for (int64_t i = n; i < stride; ++i) s[i] = -INFINITY;
+      softmax(s, stride);
+      weighted_sum(s, v, off.data(), n, d, j.out + (t * j.num_heads + head) * d);
     }
-    float m = mv[0];
-    for (int i = 1; i < 16; ++i) m = std::max(m, mv[i]);
-    f32x16 sumv{};
-    for (int64_t p = 0; p < stride; p += 16) {
-      const f32x16 e = exp16(load16(s + p) - m);  // the -inf padding gives 0
-      store16(s + p, e);
-      sumv += e;
-    }
-    const float inv = 1.f / hsum(sumv);
-    for (int64_t p = 0; p < stride; p += 16) store16(s + p, load16(s + p) * inv);
-    std::memset(j.out + (t * j.num_heads + g * group + a) * d, 0, d * sizeof(float));
   }
-  float* out = j.out + (t * j.num_heads + g * group) * d;
-  for_each_key(table, j.block_size, first, last, j.v + g * d, row_stride, [&](int64_t p, const float* value) {
-    for (int64_t a = 0; a < group; ++a) axpy(sc[a * stride + p - first], value, out + a * d, d);
-  });
 }
 
 }  // namespace
@@ -246,8 +380,14 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q_in, const pad
   AttentionJob job{q.data<float>(),  k_cache.data<float>(), v_cache.data<float>(), token_seq.data(),
                    token_pos.data(), tables,                max_blocks,            block_size,
                    h,                kvh,                   d,                     sliding_window,
-                   scale,            out.data<float>()};
-  fd_kernels::Pool::instance().run(T * kvh, attend, &job);
+                   kvh,              scale,                 out.data<float>()};
+  // Whole cache rows per item (one sequential stream the hardware prefetcher follows; 0.68 ->
+  // 0.57 ms per layer for 64 decodes of 103 keys) unless there are too few query tokens to
+  // keep the threads busy and enough keys to be worth waking them: then one item per kv head.
+  int64_t keys = 0;
+  for (int64_t t = 0; t < T; ++t) keys += token_pos[t] + 1;
+  if (T < 2 * fd_kernels::Pool::instance().threads() && keys * kvh >= kSplitKeys) job.heads_per_item = 1;
+  fd_kernels::Pool::instance().run(T * kvh / job.heads_per_item, attend, &job);
   return {out};
 }
 

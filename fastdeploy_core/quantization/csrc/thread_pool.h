@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -24,12 +25,17 @@
 
 namespace fd_kernels {
 
+constexpr int kDefaultSpinMicros = 0;
+
 class Pool {
  public:
   static Pool& instance() {
     static Pool pool;
     return pool;
   }
+
+  // The calling thread and the workers.
+  int64_t threads() const { return static_cast<int64_t>(workers_.size()) + 1; }
 
   // Calls fn(ctx, i) for i in [0, total), spread over the caller and the workers.
   void run(int64_t total, void (*fn)(void*, int64_t), void* ctx) {
@@ -58,7 +64,7 @@ class Pool {
     if (const char* env = std::getenv("OMP_NUM_THREADS")) threads = std::atoi(env);
     if (const char* env = std::getenv("FD_QUANT_KERNEL_THREADS")) threads = std::atoi(env);
     threads = std::max(1, std::min(threads, 64));
-    if (const char* env = std::getenv("FD_QUANT_KERNEL_SPIN")) spin_limit_ = std::atoi(env);
+    if (const char* env = std::getenv("FD_QUANT_KERNEL_SPIN")) spin_us_ = std::max(0, std::atoi(env));
     for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { loop(); });
   }
 
@@ -89,9 +95,15 @@ class Pool {
     uint64_t seen = 0;
     while (!stop_.load()) {
       uint64_t gen = next_.load(std::memory_order_acquire) >> 32;
-      for (int spin = 0; gen == seen && spin < spin_limit_ && !stop_.load(); ++spin) {
-        _mm_pause();
-        gen = next_.load(std::memory_order_acquire) >> 32;
+      if (gen == seen && spin_us_ > 0) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+        while (gen == seen && !stop_.load(std::memory_order_relaxed)) {
+          for (int i = 0; i < 16 && gen == seen; ++i) {
+            _mm_pause();
+            gen = next_.load(std::memory_order_acquire) >> 32;
+          }
+          if (gen == seen && std::chrono::steady_clock::now() >= until) break;
+        }
       }
       if (gen == seen) {
         std::unique_lock<std::mutex> lock(sleep_mutex_);
@@ -113,7 +125,7 @@ class Pool {
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   uint64_t generation_ = 0;
-  int spin_limit_ = 0;  // FD_QUANT_KERNEL_SPIN: pause-loops a worker spins before sleeping
+  int spin_us_ = kDefaultSpinMicros;  // FD_QUANT_KERNEL_SPIN: how long an idle worker spins before sleeping
   void (*fn_)(void*, int64_t) = nullptr;
   void* ctx_ = nullptr;
   int64_t total_ = 0;
