@@ -9,14 +9,22 @@ the reference formula and weights keep the plain layout.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import paddle
 from paddle import _C_ops
 
 from fastdeploy_core.devices.reference_ops import ReferenceOps
-from fastdeploy_core.quantization.base import PACK_COLUMNS, add_bias, pack_column_tiles
+from fastdeploy_core.quantization.base import (
+    PACK_COLUMNS,
+    VNNI_CHUNK,
+    add_bias,
+    pack_column_tiles,
+    pack_int4_vnni_tiles,
+)
 from fastdeploy_core.quantization.fp8 import fp8_linear_reference
-from fastdeploy_core.quantization.kernels import load_kernels
+from fastdeploy_core.quantization.kernels import has_avx512_vnni, load_kernels
 from fastdeploy_core.quantization.weight_only import int4_linear_reference, int8_linear_reference
 
 _run = _C_ops._run_custom_op  # the op must be registered: load_kernels() ran first (see _ready)
@@ -79,10 +87,23 @@ class CpuOps(CpuQuantOps, ReferenceOps):
     ``[in, out]`` on Paddle's matmul, as does everything when the kernels cannot build.
     """
 
+    #: int4 storage (uint8) goes to the VNNI layout ``[N / 32, K / 8, 32, 4]`` when the CPU has
+    #: AVX-512 VNNI (``FD_INT4_VNNI=0``: keep ``[N / 32, K / 2, 32]`` and the float-FMA loop).
+    int4_vnni_layout = has_avx512_vnni() and os.environ.get("FD_INT4_VNNI", "1") not in ("0", "")
+
     def prepare_linear_weight(self, weight: paddle.Tensor) -> paddle.Tensor | None:
         if weight.ndim != 2 or weight.shape[1] % PACK_COLUMNS != 0 or not (self._have_kernels or self._ready()):
             return None
+        if weight.dtype == paddle.uint8 and self.int4_vnni_layout and (2 * int(weight.shape[0])) % VNNI_CHUNK == 0:
+            return pack_int4_vnni_tiles(weight)
         return pack_column_tiles(weight)
+
+    def prepare_int4_scales(self, weight: paddle.Tensor, scale: paddle.Tensor, offset: paddle.Tensor):
+        """``(scale, offset)`` of an int4 layer whose weight is in the VNNI layout, as ``[N / 32, G, 32]``
+        column tiles (each tile's scales one contiguous stream, as its weights), else ``None``."""
+        if weight.ndim != 4 or scale.ndim != 2 or offset.ndim != 2:
+            return None
+        return pack_column_tiles(scale), pack_column_tiles(offset)
 
     def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
         if weight.ndim == 3:  # packed by prepare_linear_weight

@@ -131,6 +131,12 @@ def load_kernels():
         return _module
 
 
+def has_avx512_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI (the kernels are built with ``-march=native``, so then
+    ``fd_int4_linear`` multiplies the int4 VNNI layout with ``vpdpbusd``)."""
+    return "avx512_vnni" in _cpu_flags().split()
+
+
 def kernel_failure() -> str | None:
     """Why :func:`load_kernels` returned ``None`` (after it was called), else ``None``."""
     return _failure

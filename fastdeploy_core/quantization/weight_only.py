@@ -23,6 +23,8 @@ import numpy as np
 import paddle
 from pydantic import Field
 
+from fastdeploy_core.devices.current import current_ops
+from fastdeploy_core.layers.weights import replace_parameter
 from fastdeploy_core.quantization.base import (
     QuantizerBase,
     QuantizerConfig,
@@ -57,6 +59,7 @@ def int4_weight(packed: paddle.Tensor, scale: paddle.Tensor, offset: paddle.Tens
     """Float32 ``[K, N]`` from packed int4 codes, group scales and offsets."""
     codes = int4_codes(packed)
     rows = int(codes.shape[0])
+    scale, offset = unpack_column_tiles(scale), unpack_column_tiles(offset)
     return codes * expand_groups(scale, group_size, rows) + expand_groups(offset, group_size, rows)
 
 
@@ -224,6 +227,20 @@ class WeightOnlyInt4(QuantizerBase):
 
     def op_args(self, layer) -> tuple:
         return layer.weight, layer.weight_scale, layer.weight_offset, self.config.group_size
+
+    def process_weights_after_loading(self, layer) -> None:
+        """As every method, then let the device tile the scales and offsets as it did the weight
+        (the cpu ops' int4 VNNI layout reads them per 32-column tile)."""
+        super().process_weights_after_loading(layer)
+        prepare = getattr(current_ops(), "prepare_int4_scales", None)
+        prepared = prepare(layer.weight, layer.weight_scale, layer.weight_offset) if prepare is not None else None
+        if prepared is not None:
+            for name, value in zip(("weight_scale", "weight_offset"), prepared):
+                if name in layer._buffers:
+                    layer.register_buffer(name, value, persistable=True)
+                else:
+                    replace_parameter(layer, name, value)
+            layer.__dict__.pop("_quant_op_args", None)
 
     @staticmethod
     def reference_op(x, weight, scale, offset, group_size, bias=None):
