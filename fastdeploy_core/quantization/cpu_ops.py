@@ -100,9 +100,18 @@ class CpuOps(CpuQuantOps, ReferenceOps):
 
     def prepare_int4_scales(self, weight: paddle.Tensor, scale: paddle.Tensor, offset: paddle.Tensor):
         """``(scale, offset)`` of an int4 layer whose weight is in the VNNI layout, as ``[N / 32, G, 32]``
-        column tiles (each tile's scales one contiguous stream, as its weights), else ``None``."""
+        column tiles (each tile's scales one contiguous stream, as its weights), else ``None``.
+
+        float16 when both convert to it exactly (GGUF Q4_0 / Q4_1 store ``d`` and ``m`` as
+        float16): a decode step then reads 20 instead of 24 bytes per 32 weights.
+        """
         if weight.ndim != 4 or scale.ndim != 2 or offset.ndim != 2:
             return None
+        s, o = scale.numpy(), offset.numpy()
+        with np.errstate(over="ignore"):
+            s16, o16 = s.astype(np.float16), o.astype(np.float16)
+        if np.array_equal(s16.astype(np.float32), s) and np.array_equal(o16.astype(np.float32), o):
+            scale, offset = paddle.to_tensor(s16), paddle.to_tensor(o16)
         return pack_column_tiles(scale), pack_column_tiles(offset)
 
     def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:

@@ -59,7 +59,8 @@ def int4_weight(packed: paddle.Tensor, scale: paddle.Tensor, offset: paddle.Tens
     """Float32 ``[K, N]`` from packed int4 codes, group scales and offsets."""
     codes = int4_codes(packed)
     rows = int(codes.shape[0])
-    scale, offset = unpack_column_tiles(scale), unpack_column_tiles(offset)
+    # the cpu ops may tile them ([N / 32, G, 32]) and store them as float16 (when exact)
+    scale, offset = unpack_column_tiles(scale).astype("float32"), unpack_column_tiles(offset).astype("float32")
     return codes * expand_groups(scale, group_size, rows) + expand_groups(offset, group_size, rows)
 
 

@@ -81,14 +81,21 @@ SHAPES = [(576, 960, 32), (576, 224, 128), (1536, 96, 32), (256, 64, 64), (96, 6
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{k}x{n}-g{g}" for k, n, g in SHAPES])
-@pytest.mark.parametrize("tiled_scales", [False, True], ids=["scales-GN", "scales-tiled"])
-def test_vnni_kernel_matches_the_weight_only_reference(shape, rows, tiled_scales, kernels):
+@pytest.mark.parametrize("scales", ["GN", "tiled", "tiled-fp16"])
+def test_vnni_kernel_matches_the_weight_only_reference(shape, rows, scales, kernels):
     K, N, group = shape
     rng = np.random.default_rng(rows * 1000 + K)
     w, scale, offset = _int4(rng, K, N, group)
+    if scales == "tiled-fp16":  # values float16 holds exactly (GGUF's d and m)
+        scale, offset = scale.astype("float16").astype("float32"), offset.astype("float16").astype("float32")
     x = paddle.to_tensor(gaussian(rng, (rows, K)))
     want = int4_linear_reference(x, w, scale, offset, group).numpy()
-    s, o = (pack_column_tiles(scale), pack_column_tiles(offset)) if tiled_scales else (scale, offset)
+    s, o = scale, offset
+    if scales != "GN":
+        dtype = "float16" if scales == "tiled-fp16" else "float32"
+        s, o = pack_column_tiles(scale.astype(dtype)), pack_column_tiles(offset.astype(dtype))
+        # the reference formula reads the tiled (float16) scales too
+        np.testing.assert_array_equal(int4_linear_reference(x, w, s, o, group).numpy(), want)
     got = kernels.fd_int4_linear(x, pack_int4_vnni_tiles(w), s, o, group, False).numpy()
     assert got.shape == (rows, N)
     # 16-bit activations per block: measured ~2-4e-5 of the largest output; the float kernel ~1e-6.
@@ -156,6 +163,26 @@ def test_int4_layers_take_the_vnni_layout_and_keep_their_weights(quantizer, kern
     assert tuple(layer.weight_scale.shape) == (3, groups, 32)
     # the reference formula reads the packed storage too
     assert rel(quantizer.reference_op(x, *quantizer.op_args(layer)).numpy(), want) <= 1e-6
+
+
+def test_int4_scales_are_stored_as_float16_only_when_that_is_exact(kernels, monkeypatch):
+    monkeypatch.setattr(CpuOps, "int4_vnni_layout", True)
+    set_current_ops(CpuOps())
+    rng = np.random.default_rng(14)
+    quantizer = WeightOnlyInt4({"group_size": 32})
+    for exact in (True, False):
+        layer = Linear(64, 64, quant_config=quantizer, prefix="model.layers.0.mlp.down_proj")
+        layer.weight.weight_loader(layer.weight, gaussian(rng, (64, 64)))
+        if exact:  # as a GGUF Q4_1 tensor loads: float16 d and m
+            for name in ("weight_scale", "weight_offset"):
+                getattr(layer, name).set_value(getattr(layer, name).astype("float16").astype("float32"))
+        x = paddle.to_tensor(gaussian(rng, (2, 64)))
+        want = quantizer.reference_op(x, *quantizer.op_args(layer)).numpy()
+        dequantized = quantizer.dequantize(layer).numpy()
+        quantizer.process_weights_after_loading(layer)
+        assert layer.weight_scale.dtype == layer.weight_offset.dtype == (paddle.float16 if exact else paddle.float32)
+        np.testing.assert_array_equal(quantizer.dequantize(layer).numpy(), dequantized)
+        assert rel(layer(x).numpy(), want) <= 6e-5
 
 
 def test_int4_keeps_the_float_kernel_layout_without_vnni_or_when_k_is_not_a_multiple_of_8(kernels, monkeypatch):

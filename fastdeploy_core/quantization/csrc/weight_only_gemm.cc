@@ -353,7 +353,9 @@ std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
 //     float sum of x. Measured error: ~2-4e-5 of the largest output (the float loop: ~1e-6).
 //   act_int8 (w4a8): the per-row int8 codes themselves, one piece, exactly as the reference.
 // Scales and offsets are [G, N] or, as the cpu ops store them with this layout, [N / 32, G, 32]
-// column tiles (one contiguous stream per tile, like the weights: ~10% faster from DRAM).
+// column tiles (one contiguous stream per tile, like the weights: ~10% faster from DRAM), in
+// float32 or float16 (the cpu ops use float16 when it holds them exactly, as for GGUF Q4_0 /
+// Q4_1, whose d and m are float16: 20 bytes per 32 weights instead of 24).
 // Other group sizes (not a multiple of 8), or a build without VNNI, run a plain scalar loop over
 // the same layout (correct, slow; the cpu ops only choose this layout when VNNI is there).
 
@@ -365,8 +367,9 @@ constexpr int64_t kVnniTileBytes = kCols * 4;      // bytes per chunk of one til
 struct VnniProblem {
   int64_t M, K, N, G, group, block, NB;  // NB = blocks per row = ceil(K / block)
   const uint8_t* w;                       // [N / 32, K / 8, 32, 4]
-  const float* scale;                     // [G, N], or packed [N / 32, G, 32]
-  const float* offset;                    // shaped like scale
+  const void* scale;                      // [G, N], or packed [N / 32, G, 32]; float32 or float16
+  const void* offset;                     // shaped and typed like scale
+  bool half;                              // scale and offset are float16
   int64_t s_tile, s_group;                // where (tile t, group g) starts: t * s_tile + g * s_group
   const int8_t* xhi;                      // [M, K] high pieces (nullptr with one piece)
   const int8_t* xlo;                      // [M, K] low pieces, or the int8 codes
@@ -377,6 +380,12 @@ struct VnniProblem {
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+// Sixteen scales (or offsets) from element ``at`` on, widened from float16 when ``half``.
+inline __m512 load_scales(const void* base, int64_t at, bool half) {
+  if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)));
+  return _mm512_loadu_ps(static_cast<const float*>(base) + at);
+}
 
 // ROWS rows of x (from row m) times tile t. PIECES: 2 (weight-only) or 1 (int8 activations).
 // CPB: chunks of 8 k per activation block when known at compile time (block 32: 4), else 0.
@@ -393,9 +402,8 @@ void vnni_tile(const VnniProblem& p, int64_t m, int64_t t) {
   int64_t b = 0;  // activation block index
   for (int64_t g = 0; g < p.G; ++g) {
     const int64_t k_begin = g * p.group, k_end = std::min(K, k_begin + p.group);
-    const float* sg = p.scale + t * p.s_tile + g * p.s_group;
-    const float* og = p.offset + t * p.s_tile + g * p.s_group;
-    const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
+    const int64_t at = t * p.s_tile + g * p.s_group;
+    const __m512 s0 = load_scales(p.scale, at, p.half), s1 = load_scales(p.scale, at + 16, p.half);
     for (int64_t kb = k_begin; kb < k_end; kb += p.block, ++b) {
       const int64_t ke = std::min(k_end, kb + p.block);
       __m512i lo[ROWS][2], lo2[ROWS][2], hi[ROWS][2], hi2[ROWS][2];
@@ -475,7 +483,7 @@ void vnni_tile(const VnniProblem& p, int64_t m, int64_t t) {
         }
       }
     }
-    __m512 o0 = _mm512_loadu_ps(og), o1 = _mm512_loadu_ps(og + 16);
+    __m512 o0 = load_scales(p.offset, at, p.half), o1 = load_scales(p.offset, at + 16, p.half);
     if constexpr (PIECES == 2) {  // the codes were centred: w = (q - 8) * scale + (offset + 8 * scale)
       const __m512 eight = _mm512_set1_ps(8.f);
       o0 = _mm512_fmadd_ps(s0, eight, o0);
@@ -575,8 +583,23 @@ inline int vnni_code(const uint8_t* w, int64_t K, int64_t k, int64_t n) {
 }
 
 // Any group size, any build: y = x @ (q * scale + offset), x already int8 codes when act_int8.
-void vnni_layout_scalar(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* w, const float* scale,
-                        const float* offset, int64_t s_tile, int64_t s_group, int64_t G, int64_t group, float* y) {
+// IEEE half -> float (portable; the scalar path also runs on builds without F16C).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+  if (exp == 0) return (sign ? -1.f : 1.f) * std::ldexp(static_cast<float>(mant), -24);
+  const uint32_t bits = exp == 31 ? (sign | 0x7F800000u | (mant << 13)) : (sign | ((exp + 112) << 23) | (mant << 13));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float scale_at(const void* base, int64_t at, bool half) {
+  return half ? half_to_float(static_cast<const uint16_t*>(base)[at]) : static_cast<const float*>(base)[at];
+}
+
+void vnni_layout_scalar(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* w, const void* scale,
+                        const void* offset, bool half, int64_t s_tile, int64_t s_group, int64_t G, int64_t group,
+                        float* y) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) {
       float total = 0.f;
@@ -587,7 +610,7 @@ void vnni_layout_scalar(const float* x, int64_t M, int64_t K, int64_t N, const u
           xs += x[m * K + k];
         }
         const int64_t at = (n / kCols) * s_tile + g * s_group + n % kCols;
-        total += acc * scale[at] + xs * offset[at];
+        total += acc * scale_at(scale, at, half) + xs * scale_at(offset, at, half);
       }
       y[m * N + n] = total;
     }
@@ -614,13 +637,14 @@ std::vector<paddle::Tensor> run_int4_vnni(const paddle::Tensor& x_in, const padd
   const int64_t G = (K + group_size - 1) / group_size;
   const auto& ss = scale.shape();
   const bool tiled_scale = ss.size() == 3;
-  PD_CHECK(scale.dtype() == paddle::DataType::FLOAT32 &&
+  const bool half = scale.dtype() == paddle::DataType::FLOAT16;
+  PD_CHECK((half || scale.dtype() == paddle::DataType::FLOAT32) &&
                (tiled_scale ? ss[0] * kCols == N && ss[2] == kCols : ss.size() == 2 && ss[1] == N),
-           "scale must be float32 [G, N] or [N / 32, G, 32]");
+           "scale must be float32 or float16, [G, N] or [N / 32, G, 32]");
   PD_CHECK(ss[tiled_scale ? 1 : 0] == G, "scale has ", ss[tiled_scale ? 1 : 0], " groups; K=", K, " in groups of ",
            group_size, " needs ", G);
-  PD_CHECK(offset.shape() == scale.shape() && offset.dtype() == paddle::DataType::FLOAT32,
-           "offset must be float32 shaped like scale");
+  PD_CHECK(offset.shape() == scale.shape() && offset.dtype() == scale.dtype(),
+           "offset must be shaped and typed like scale");
   const int64_t s_tile = tiled_scale ? G * kCols : kCols, s_group = tiled_scale ? kCols : N;
   const paddle::Tensor x = x_in.contiguous();
   const int64_t M = K > 0 ? x.numel() / K : 0;
@@ -637,15 +661,19 @@ std::vector<paddle::Tensor> run_int4_vnni(const paddle::Tensor& x_in, const padd
   }
   const int64_t block = act_int8 ? (group_size % kVnniChunk == 0 ? group_size : 0) : vnni_block(group_size);
   if (!kHaveVnni || block == 0 || M == 0) {
-    vnni_layout_scalar(xp, M, K, N, w, scale.data<float>(), offset.data<float>(), s_tile, s_group, G, group_size, y);
+    vnni_layout_scalar(xp, M, K, N, w, scale.data(), offset.data(), half, s_tile, s_group, G, group_size, y);
   } else {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     const int64_t NB = (K + block - 1) / block;
     std::vector<float> xsum(M * G, 0.f), bscale;
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < G; ++g) {
-        float s = 0.f;
-        for (int64_t k = g * group_size; k < std::min(K, (g + 1) * group_size); ++k) s += xp[m * K + k];
+        const int64_t ke = std::min(K, (g + 1) * group_size);
+        int64_t k = g * group_size;
+        __m512 acc = _mm512_setzero_ps();
+        for (; k + 16 <= ke; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(xp + m * K + k));
+        float s = _mm512_reduce_add_ps(acc);
+        for (; k < ke; ++k) s += xp[m * K + k];
         xsum[m * G + g] = s;
       }
     std::vector<int8_t> xlo(M * K), xhi;
@@ -658,7 +686,7 @@ std::vector<paddle::Tensor> run_int4_vnni(const paddle::Tensor& x_in, const padd
       bsum8.resize(M * NB);
       split_rows_16bit(xp, M, K, block, NB, xhi.data(), xlo.data(), bscale.data(), bsum8.data());
     }
-    VnniProblem p{M, K, N, G, group_size, block, NB, w, scale.data<float>(), offset.data<float>(), s_tile, s_group,
+    VnniProblem p{M, K, N, G, group_size, block, NB, w, scale.data(), offset.data(), half, s_tile, s_group,
                   act_int8 ? nullptr : xhi.data(), xlo.data(), act_int8 ? nullptr : bscale.data(), act_int8 ? nullptr : bsum8.data(), xsum.data(), y};
     if (act_int8)
       vnni_gemm<1>(p);
