@@ -123,6 +123,11 @@ class ReferenceOps:
         gate, up = paddle.chunk(x, 2, axis=-1)
         return F.silu(gate) * up
 
+    # ---- sampling ----------------------------------------------------------------------------
+    def argmax_rows(self, logits: paddle.Tensor) -> np.ndarray:
+        """Greedy tokens: the index of each row's largest logit (the first on ties) as int64 ``[B]``."""
+        return paddle.argmax(logits, axis=-1).numpy().reshape(-1)
+
     # ---- rotary position embedding --------------------------------------------------------
     def rotary_embedding(
         self,

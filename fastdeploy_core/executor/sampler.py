@@ -64,9 +64,12 @@ class Sampler:
 
     def __call__(self, logits, reqs: list[Request]) -> SamplerOutput:
         if not any(_needs_host(r) for r in reqs):
-            import paddle
+            if isinstance(logits, np.ndarray):
+                ids = logits.argmax(axis=-1).reshape(-1)
+            else:
+                from fastdeploy_core.devices.current import current_ops
 
-            ids = paddle.argmax(logits, axis=-1).numpy().reshape(-1)
+                ids = current_ops().argmax_rows(logits)
             return SamplerOutput([int(t) for t in ids], [None] * len(reqs))
         host = logits.numpy() if hasattr(logits, "numpy") else np.asarray(logits)
         tokens: list[int] = []

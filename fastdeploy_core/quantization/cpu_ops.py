@@ -138,6 +138,12 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             return ReferenceOps.silu_and_mul(self, x)
         return _run("fd_silu_mul", x)[0]
 
+    def argmax_rows(self, logits: paddle.Tensor) -> np.ndarray:
+        """``fd_argmax``: one vector pass per row (Paddle's argmax: 2.7 ms for 64 x 49152 here)."""
+        if not (self._have_kernels or self._ready()) or logits.dtype != paddle.float32 or logits.ndim != 2:
+            return ReferenceOps.argmax_rows(self, logits)
+        return _run("fd_argmax", logits)[0].numpy()
+
     @property
     def ragged_attention(self) -> bool:
         """With the kernels, attention costs what each sequence's own query rows cost, however a

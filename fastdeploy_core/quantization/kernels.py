@@ -28,7 +28,13 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = (_CSRC / "weight_only_gemm.cc", _CSRC / "paged_attention.cc", _CSRC / "rms_norm.cc", _CSRC / "activation.cc")
+SOURCES = (
+    _CSRC / "weight_only_gemm.cc",
+    _CSRC / "paged_attention.cc",
+    _CSRC / "rms_norm.cc",
+    _CSRC / "activation.cc",
+    _CSRC / "sampling.cc",
+)
 HEADERS = (_CSRC / "thread_pool.h", _CSRC / "vector_math.h")
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
 LD_FLAGS = ["-pthread"]

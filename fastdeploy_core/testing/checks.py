@@ -227,7 +227,16 @@ def check_expected_kernels(target: Target) -> None:
 
 
 # ---- op-by-op parity ----------------------------------------------------------------------------
-OPS = ("embedding", "linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache")
+OPS = (
+    "embedding",
+    "linear",
+    "rms_norm",
+    "add_rms_norm",
+    "silu_and_mul",
+    "rotary_embedding",
+    "write_kv_cache",
+    "argmax_rows",
+)
 
 
 def check_op(target: Target, op: str, dtype: str, seed: int = 0) -> None:
@@ -238,7 +247,11 @@ def check_op(target: Target, op: str, dtype: str, seed: int = 0) -> None:
         ops = target.make_ops()
         got, want = _run_op(op, ops, ref, rng, dtype)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert_close(g, w, dtype, f"{op} output {i}")
+        if np.issubdtype(w.dtype, np.integer):  # indices: exact
+            if g.shape != w.shape or np.any(g != w):
+                raise AssertionError(f"{op} output {i}: {g.tolist()}, reference {w.tolist()}")
+        else:
+            assert_close(g, w, dtype, f"{op} output {i}")
 
 
 def _run_op(op, ops, ref, rng, dtype):
@@ -305,6 +318,22 @@ def _run_op(op, ops, ref, rng, dtype):
         want_v = np.zeros((nb * bs, kvh, d), f32)
         want_k[slots], want_v[slots] = k, v
         return [_np(kc), _np(vc)], [want_k.reshape(nb, bs, kvh, d), want_v.reshape(nb, bs, kvh, d)]
+    if op == "argmax_rows":
+        # Greedy sampling: the first largest logit of each row; rows of 7, 50 and 1000 columns
+        # (shorter than a vector, and not a multiple of one), one row and several, planted ties
+        # (a later copy of the maximum must lose).
+        got, want = [], []
+        for rows, cols in ((1, 7), (T, V), (3, 1000)):
+            x = rng.standard_normal((rows, cols)).astype(f32)
+            top = x.argmax(axis=-1)
+            for r in range(rows):
+                later = rng.integers(top[r], cols)
+                x[r, later] = x[r, top[r]]
+                earlier = rng.integers(0, top[r] + 1)
+                x[r, earlier] = x[r, top[r]]
+            got.append(np.asarray(ops.argmax_rows(_to(x, "float32"))).astype(np.int64).reshape(-1))
+            want.append(x.argmax(axis=-1).astype(np.int64))
+        return got, want
     raise ValueError(f"unknown op {op!r}; known: {OPS}")
 
 

@@ -185,3 +185,25 @@ def test_norm_and_swiglu_kernels_check_their_inputs(kernels):
         kernels.fd_silu_mul(paddle.ones([2, 7]))
     out = kernels.fd_silu_mul(paddle.to_tensor(np.array([[0.0, 1.0, 2.0, 3.0]], dtype=np.float32)))
     np.testing.assert_allclose(out.numpy(), [[0.0 * 2.0, 3.0 / (1.0 + np.exp(-1.0))]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 49152), (64, 49152), (5, 15), (3, 17), (2, 1)])
+def test_argmax_kernel_takes_the_first_largest_value_of_each_row(rows, cols, kernels):
+    """``fd_argmax`` (greedy sampling) against numpy: planted ties before and after each row's
+    maximum, including ties inside one vector lane and across lanes; NaN never wins over a number."""
+    rng = np.random.default_rng(rows * 1000 + cols)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    top = x.argmax(axis=-1)
+    for r in range(rows):
+        for at in {int(rng.integers(0, cols)), min(cols - 1, int(top[r]) + 16), max(0, int(top[r]) - 16)}:
+            x[r, at] = x[r, top[r]]
+    out = kernels.fd_argmax(paddle.to_tensor(x)).numpy()
+    assert out.dtype == np.int64
+    np.testing.assert_array_equal(out, x.argmax(axis=-1))
+    if cols > 1:
+        y = x.copy()
+        y[:, 0] = np.nan  # lane 0 starts at NaN: the row's real maximum must still be found
+        want = np.nanargmax(y, axis=-1)
+        np.testing.assert_array_equal(kernels.fd_argmax(paddle.to_tensor(y)).numpy(), want)
+    with pytest.raises(Exception, match="float32 logits"):
+        kernels.fd_argmax(paddle.to_tensor(x[0]))
