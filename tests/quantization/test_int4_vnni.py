@@ -74,9 +74,18 @@ def _int4(rng, K, N, group, zero_point=True, scale_by=1.0):
 
 
 # K, N, group: groups of 32 (GGUF Q4), 128 with a short last group (576 = 4 * 128 + 64), 64 and
-# 48 (activation blocks of the whole group), 2048-wide groups, and 6 (not a multiple of 8: the
-# scalar loop over the same layout).
-SHAPES = [(576, 960, 32), (576, 224, 128), (1536, 96, 32), (256, 64, 64), (96, 64, 48), (4096, 32, 2048), (48, 64, 6)]
+# 2048 (the blocks-of-32 loop), 48 and K = 584 (a last group of 8; the general loop), and 6
+# (not a multiple of 8: the scalar loop over the same layout).
+SHAPES = [
+    (576, 960, 32),
+    (576, 224, 128),
+    (1536, 96, 32),
+    (256, 64, 64),
+    (96, 64, 48),
+    (584, 64, 32),
+    (4096, 32, 2048),
+    (48, 64, 6),
+]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
@@ -104,8 +113,9 @@ def test_vnni_kernel_matches_the_weight_only_reference(shape, rows, scales, kern
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
 @pytest.mark.parametrize("zero_point", [False, True], ids=["symmetric", "asymmetric"])
-def test_vnni_kernel_with_int8_activations_matches_w4a8(rows, zero_point, kernels):
-    K, N, group = 576, 224, 32
+@pytest.mark.parametrize("group", [32, 128, 48])
+def test_vnni_kernel_with_int8_activations_matches_w4a8(rows, zero_point, group, kernels):
+    K, N = 576, 224
     rng = np.random.default_rng(rows)
     w, scale, offset = _int4(rng, K, N, group, zero_point)
     x = paddle.to_tensor(gaussian(rng, (rows, K)))

@@ -570,6 +570,182 @@ void split_rows_16bit(const float* x, int64_t M, int64_t K, int64_t block, int64
   }
 }
 
+// ---- the common case, blocks of 32: groups a multiple of 32 (GGUF Q4: 32), K a multiple of 32 ----
+//
+// The activations of a call are laid out block-major, so a tile walks three pointers: the
+// panel [K / 32, M, 64] (per block and row: 32 low pieces, then 32 high pieces, or the int8
+// codes) and meta [K / 32, M, 4] (s_b, -8 * sum a as int32 bits, the float sum of x, unused).
+// The offset term is applied per block (offset_g * sum over the block of x; the same sum).
+struct Vnni32 {
+  int64_t M, K, bpg;  // bpg: blocks of 32 per group
+  const uint8_t* w;
+  const void* scale;
+  const void* offset;
+  bool half;
+  int64_t s_tile, s_group;
+  const int8_t* panel;
+  const float* meta;
+  float* y;
+  int64_t N;
+};
+
+template <int ROWS, int PIECES>
+void vnni32_tile(const Vnni32& p, int64_t m, int64_t t) {
+  const int64_t NB = p.K / 32, M = p.M;
+  const uint8_t* w = p.w + t * (p.K / kVnniChunk) * kVnniTileBytes;
+  const int8_t* xb = p.panel + m * 64;
+  const float* mb = p.meta + m * 4;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  constexpr bool kSplit = ROWS == 1;
+  __m512 total[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+  int64_t at = t * p.s_tile, left = 0;
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, o0 = s0, o1 = s0;
+  for (int64_t b = 0; b < NB; ++b, w += 4 * kVnniTileBytes, xb += M * 64, mb += M * 4) {
+    if (left == 0) {  // a new group: its scales, and offset + 8 * scale for centred codes
+      s0 = load_scales(p.scale, at, p.half);
+      s1 = load_scales(p.scale, at + 16, p.half);
+      o0 = load_scales(p.offset, at, p.half);
+      o1 = load_scales(p.offset, at + 16, p.half);
+      if constexpr (PIECES == 2) {
+        o0 = _mm512_fmadd_ps(s0, _mm512_set1_ps(8.f), o0);
+        o1 = _mm512_fmadd_ps(s1, _mm512_set1_ps(8.f), o1);
+      }
+      at += p.s_group;
+      left = p.bpg;
+    }
+    --left;
+    __m512i lo[ROWS][2], lo2[ROWS][2], hi[ROWS][2], hi2[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t start = 0;
+      if constexpr (PIECES == 2) std::memcpy(&start, mb + r * 4 + 1, 4);
+      for (int h = 0; h < 2; ++h) {
+        lo[r][h] = _mm512_set1_epi32(start);
+        lo2[r][h] = hi[r][h] = hi2[r][h] = _mm512_setzero_si512();
+      }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* src = w + c * kVnniTileBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(src + kVnniPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(src + kVnniPrefetch + 64), _MM_HINT_T0);
+      const __m512i w0 = _mm512_loadu_si512(src), w1 = _mm512_loadu_si512(src + 64);
+      const __m512i l0 = _mm512_and_si512(w0, mask), l1 = _mm512_and_si512(w1, mask);
+      const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), mask);
+      const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), mask);
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* xr = xb + r * 64 + c * 8;
+        int32_t a, d;
+        std::memcpy(&a, xr, 4);
+        std::memcpy(&d, xr + 4, 4);
+        const __m512i xa = _mm512_set1_epi32(a), xd = _mm512_set1_epi32(d);
+        lo[r][0] = _mm512_dpbusd_epi32(lo[r][0], l0, xa);
+        lo[r][1] = _mm512_dpbusd_epi32(lo[r][1], l1, xa);
+        if constexpr (kSplit) {
+          lo2[r][0] = _mm512_dpbusd_epi32(lo2[r][0], h0, xd);
+          lo2[r][1] = _mm512_dpbusd_epi32(lo2[r][1], h1, xd);
+        } else {
+          lo[r][0] = _mm512_dpbusd_epi32(lo[r][0], h0, xd);
+          lo[r][1] = _mm512_dpbusd_epi32(lo[r][1], h1, xd);
+        }
+        if constexpr (PIECES == 2) {
+          std::memcpy(&a, xr + 32, 4);
+          std::memcpy(&d, xr + 36, 4);
+          const __m512i ya = _mm512_set1_epi32(a), yd = _mm512_set1_epi32(d);
+          hi[r][0] = _mm512_dpbusd_epi32(hi[r][0], l0, ya);
+          hi[r][1] = _mm512_dpbusd_epi32(hi[r][1], l1, ya);
+          if constexpr (kSplit) {
+            hi2[r][0] = _mm512_dpbusd_epi32(hi2[r][0], h0, yd);
+            hi2[r][1] = _mm512_dpbusd_epi32(hi2[r][1], h1, yd);
+          } else {
+            hi[r][0] = _mm512_dpbusd_epi32(hi[r][0], h0, yd);
+            hi[r][1] = _mm512_dpbusd_epi32(hi[r][1], h1, yd);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      __m512 f0 = s0, f1 = s1;
+      if constexpr (PIECES == 2) {
+        const __m512 sb = _mm512_set1_ps(mb[r * 4]);
+        f0 = _mm512_mul_ps(s0, sb);
+        f1 = _mm512_mul_ps(s1, sb);
+      }
+      const __m512 xs = _mm512_set1_ps(mb[r * 4 + 2]);
+      for (int h = 0; h < 2; ++h) {
+        __m512i v = lo[r][h];
+        if constexpr (kSplit) v = _mm512_add_epi32(v, lo2[r][h]);
+        if constexpr (PIECES == 2) {
+          __m512i u = hi[r][h];
+          if constexpr (kSplit) u = _mm512_add_epi32(u, hi2[r][h]);
+          v = _mm512_add_epi32(v, _mm512_slli_epi32(u, 8));
+        }
+        total[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), h == 0 ? f0 : f1, total[r][h]);
+        total[r][h] = _mm512_fmadd_ps(h == 0 ? o0 : o1, xs, total[r][h]);
+      }
+    }
+  }
+  const int64_t n0 = t * kCols;
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_storeu_ps(p.y + (m + r) * p.N + n0, total[r][0]);
+    _mm512_storeu_ps(p.y + (m + r) * p.N + n0 + 16, total[r][1]);
+  }
+}
+
+template <int PIECES>
+void vnni32_gemm(const Vnni32& p) {
+  auto chunk = [](void* ctx, int64_t t) {
+    const Vnni32& q = *static_cast<const Vnni32*>(ctx);
+    // Four rows per pass (with 2 pieces: 16 int32 accumulators; 2- or 3-row passes measured slower).
+    int64_t m = 0;
+    for (; m + 4 <= q.M; m += 4) vnni32_tile<4, PIECES>(q, m, t);
+    switch (q.M - m) {
+      case 3: vnni32_tile<3, PIECES>(q, m, t); break;
+      case 2: vnni32_tile<2, PIECES>(q, m, t); break;
+      case 1: vnni32_tile<1, PIECES>(q, m, t); break;
+      default: break;
+    }
+  };
+  fd_kernels::Pool::instance().run(p.N / kCols, chunk, const_cast<Vnni32*>(&p));
+}
+
+// x [M, K] -> panel and meta (see Vnni32). act_int8: x holds the int8 codes (as floats).
+void vnni32_panel(const float* x, int64_t M, int64_t K, bool act_int8, int8_t* panel, float* meta) {
+  const int64_t NB = K / 32;
+  const __m512i lim = _mm512_set1_epi32(kPieceMax), nlim = _mm512_set1_epi32(-kPieceMax);
+  const __m512i half = _mm512_set1_epi32(128);
+  for (int64_t b = 0; b < NB; ++b)
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * K + b * 32;
+      int8_t* out = panel + (b * M + m) * 64;
+      float* mt = meta + (b * M + m) * 4;
+      const __m512 v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
+      mt[2] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+      mt[3] = 0.f;
+      if (act_int8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v0)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v1)));
+        mt[0] = 1.f;
+        mt[1] = 0.f;
+        continue;
+      }
+      const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      mt[0] = a > 0.f ? a / kPieceMax : 1.f;
+      const __m512 inv = _mm512_set1_ps(a > 0.f ? kPieceMax / a : 0.f);
+      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+      q0 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, q0));
+      q1 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, q1));
+      const int32_t start = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      std::memcpy(mt + 1, &start, 4);
+      const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(q0, half), 8);
+      const __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(q1, half), 8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 8))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 8))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32), _mm512_cvtepi32_epi8(h0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 48), _mm512_cvtepi32_epi8(h1));
+    }
+}
+
 constexpr bool kHaveVnni = true;
 #else
 constexpr bool kHaveVnni = false;
@@ -664,6 +840,21 @@ std::vector<paddle::Tensor> run_int4_vnni(const paddle::Tensor& x_in, const padd
     vnni_layout_scalar(xp, M, K, N, w, scale.data(), offset.data(), half, s_tile, s_group, G, group_size, y);
   } else {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (group_size % 32 == 0 && K % 32 == 0) {  // ~3-8% faster than the general loop below
+      const int64_t NB = K / 32;
+      std::vector<int8_t> panel(NB * M * 64);
+      std::vector<float> meta(NB * M * 4);
+      vnni32_panel(xp, M, K, act_int8, panel.data(), meta.data());
+      Vnni32 p{M, K, group_size / 32, w, scale.data(), offset.data(), half, s_tile, s_group, panel.data(), meta.data(),
+               y, N};
+      if (act_int8)
+        vnni32_gemm<1>(p);
+      else
+        vnni32_gemm<2>(p);
+      for (int64_t m = 0; act_int8 && m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) y[m * N + n] *= row_scale[m];
+      return {out};
+    }
     const int64_t NB = (K + block - 1) / block;
     std::vector<float> xsum(M * G, 0.f), bscale;
     for (int64_t m = 0; m < M; ++m)
