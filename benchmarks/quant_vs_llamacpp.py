@@ -65,11 +65,11 @@ def llamacpp(model: str, threads: int, tokens: int, rounds: int) -> float:
         proc.wait(timeout=30)
 
 
-def ours(threads: int, tokens: int, rounds: int) -> dict:
+def ours(threads: int, tokens: int, rounds: int, methods: str = "none,wint8,wint4") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), FD_QUANT_KERNEL_THREADS=str(threads))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ours.json")
-        cmd = [sys.executable, os.path.join(HERE, "quant_decode.py"), "--methods", "none,wint8,wint4",
+        cmd = [sys.executable, os.path.join(HERE, "quant_decode.py"), "--methods", methods,
                "--tokens", str(tokens), "--rounds", str(rounds), "--json", out]  # fmt: skip
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(out) as fh:
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--methods", default="none,wint8,wint4", help="ours (quant_decode.py names, e.g. add wint4:fma)")
     args = parser.parse_args()
     from fastdeploy_core.default_model import default_model_path
 
@@ -100,7 +101,7 @@ def main() -> None:
     for threads in (int(t) for t in args.threads.split(",")):
         peer_q4 = llamacpp(q4, threads, args.tokens, args.rounds)
         peer_q8 = llamacpp(q8, threads, args.tokens, args.rounds)
-        mine = ours(threads, args.tokens, args.rounds)
+        mine = ours(threads, args.tokens, args.rounds, args.methods)
         speed = {m: r["decode_tok_s"] for m, r in mine.items()}
         run = {"threads": threads, "llamacpp_q4_1": peer_q4, "llamacpp_q8_0": peer_q8, "ours": speed,
                "load": os.getloadavg()}  # fmt: skip
@@ -109,6 +110,8 @@ def main() -> None:
         rows.append(f"| {threads} | {peer_q4:.1f} | {peer_q8:.1f} | {f32:.1f} | {w8:.1f} | {w4:.1f} | "
                     f"{w8 / f32:.2f}x | {w4 / peer_q4:.2f}x |")  # fmt: skip
         print(rows[-1], file=sys.stderr, flush=True)
+        for extra in sorted(set(speed) - {"none", "wint8", "wint4"}):
+            print(f"  threads {threads}: ours {extra} {speed[extra]:.1f} tok/s", file=sys.stderr, flush=True)
     record["load_after"] = os.getloadavg()
     print(f"{record['date']}, {record['machine']}, load {record['load_before'][0]:.1f} -> {record['load_after'][0]:.1f}")
     print("\n".join(rows))
