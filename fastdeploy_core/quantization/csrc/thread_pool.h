@@ -3,9 +3,15 @@
 // Threads split a job into chunks that the calling thread and the pool's workers claim from
 // one atomic counter. The caller never waits for a worker that has not woken up: it only
 // waits for chunks already claimed. (An OpenMP team waits at its barrier for every thread; on
-// a busy 2-core machine one descheduled thread turned a 0.1 ms GEMV into 3-5 ms.) Workers
-// sleep on a condition variable between jobs: a worker spinning after a job kept the second
-// core from Paddle's own OpenMP ops (an RMSNorm went from 0.5 to 3 ms).
+// a busy 2-core machine one descheduled thread turned a 0.1 ms GEMV into 3-5 ms.)
+//
+// After a job a worker spins for FD_QUANT_KERNEL_SPIN microseconds (default 200), yielding its
+// core to any runnable thread on every turn, then sleeps on a condition variable. A decode
+// step issues ~270 kernel calls a few microseconds apart: waking a sleeping worker for each
+// (futex, scheduler) left the caller alone for most of a small GEMV, and a batch-1 step took
+// ~25 ms instead of ~20 on a quiet machine. Spinning without yielding lost under load (a
+// busy machine: 26 -> 32-37 ms): the spinner kept the core from the thread that had work.
+// Sleeping after the window keeps an idle engine at 0% CPU.
 //
 // Size: FD_QUANT_KERNEL_THREADS, else OMP_NUM_THREADS, else the hardware's thread count.
 // Declared inline in a named namespace, so every source file of the library gets the same pool.
@@ -20,12 +26,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <sched.h>
 #include <thread>
 #include <vector>
 
 namespace fd_kernels {
 
-constexpr int kDefaultSpinMicros = 0;
+constexpr int kDefaultSpinMicros = 200;
 
 class Pool {
  public:
@@ -103,6 +110,7 @@ class Pool {
             gen = next_.load(std::memory_order_acquire) >> 32;
           }
           if (gen == seen && std::chrono::steady_clock::now() >= until) break;
+          if (gen == seen) sched_yield();  // a runnable thread of any process comes first
         }
       }
       if (gen == seen) {
