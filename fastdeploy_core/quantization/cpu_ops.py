@@ -164,7 +164,7 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         scale: float,
         sliding_window: int | None = None,
     ) -> paddle.Tensor:
-        """``fd_rope_write_kv`` then ``fd_paged_attention``: 2 ops per layer instead of ~20, ragged
+        """``fd_rope_paged_attention`` (``fd_rope_write_kv`` then ``fd_paged_attention``): 1 op per layer instead of ~20, ragged
         (no padding of a step's sequences to its longest query run). A 512-token prompt's
         attention takes ~10 ms per layer against ~13 ms for the reference's padded matmuls."""
         if (
@@ -176,14 +176,23 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             return ReferenceOps.rope_paged_attention(
                 self, qkv, positions, cos_sin_cache, k_cache, v_cache, meta, num_heads, num_kv_heads, scale, sliding_window
             )
-        q = _run(
-            "fd_rope_write_kv", qkv, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, num_heads, num_kv_heads
-        )[0]
         state = meta.attn_state.get("cpu_kernel")
         if state is None:
             state = meta.attn_state["cpu_kernel"] = self._kernel_attention_state(meta)
-        out = _run("fd_paged_attention", q, k_cache, v_cache, *state, scale, int(sliding_window or 0))[0]
-        return out.reshape([-1, qkv.shape[1] // (num_heads + 2 * num_kv_heads) * num_heads])
+        return _run(
+            "fd_rope_paged_attention",
+            qkv,
+            positions,
+            cos_sin_cache,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            *state,
+            num_heads,
+            num_kv_heads,
+            scale,
+            int(sliding_window or 0),
+        )[0]
 
     def _kernel_attention_state(self, meta):
         """The step's ``(query_start, seq_lens, block_tables)`` as int64 tensors, made once for all layers."""

@@ -7,6 +7,8 @@
 //   tokens' slots, and return the rotated queries [T, h, d]. It replaces ~10 small Paddle ops
 //   (split, gather, roll, multiply, add, two scatters) per layer.
 //
+// fd_rope_paged_attention: both in one call (what the cpu ops table runs per layer).
+//
 // fd_paged_attention: causal attention of every new token over its sequence's cached context,
 //   for any mix of decode and prefill rows: token i of sequence b (query rows
 //   [query_start[b], query_start[b + 1])) sits at position seq_lens[b] - q_len + i and sees the
@@ -338,10 +340,10 @@ void attend(void* ctx, int64_t item) {
 
 }  // namespace
 
-std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q_in, const paddle::Tensor& k_cache,
-                                           const paddle::Tensor& v_cache, const paddle::Tensor& query_start,
-                                           const paddle::Tensor& seq_lens, const paddle::Tensor& block_tables,
-                                           float scale, int64_t sliding_window) {
+// Attention of q [T, h, d] into out (T * h * d floats), the caches' checks included.
+void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
+                          const paddle::Tensor& query_start, const paddle::Tensor& seq_lens,
+                          const paddle::Tensor& block_tables, float scale, int64_t sliding_window, float* out) {
   PD_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
   PD_CHECK(q_in.dtype() == paddle::DataType::FLOAT32 && q_in.shape().size() == 3, "q must be float32 [T, h, d]");
   const int64_t T = q_in.shape()[0], h = q_in.shape()[1], d = q_in.shape()[2];
@@ -376,11 +378,10 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q_in, const pad
     }
   }
   const paddle::Tensor q = q_in.contiguous();
-  auto out = paddle::empty({T, h, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   AttentionJob job{q.data<float>(),  k_cache.data<float>(), v_cache.data<float>(), token_seq.data(),
                    token_pos.data(), tables,                max_blocks,            block_size,
                    h,                kvh,                   d,                     sliding_window,
-                   kvh,              scale,                 out.data<float>()};
+                   kvh,              scale,                 out};
   // Whole cache rows per item (one sequential stream the hardware prefetcher follows; 0.68 ->
   // 0.57 ms per layer for 64 decodes of 103 keys) unless there are too few query tokens to
   // keep the threads busy and enough keys to be worth waking them: then one item per kv head.
@@ -388,7 +389,50 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q_in, const pad
   for (int64_t t = 0; t < T; ++t) keys += token_pos[t] + 1;
   if (T < 2 * fd_kernels::Pool::instance().threads() && keys * kvh >= kSplitKeys) job.heads_per_item = 1;
   fd_kernels::Pool::instance().run(T * kvh / job.heads_per_item, attend, &job);
+}
+
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                           const paddle::Tensor& v_cache, const paddle::Tensor& query_start,
+                                           const paddle::Tensor& seq_lens, const paddle::Tensor& block_tables,
+                                           float scale, int64_t sliding_window) {
+  PD_CHECK(q.shape().size() == 3, "q must be float32 [T, h, d]");
+  auto out = paddle::empty(q.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  paged_attention_into(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, sliding_window,
+                       out.data<float>());
   return {out};
+}
+
+// fd_rope_paged_attention: fd_rope_write_kv then fd_paged_attention in one call, returning
+// [T, h * d] (what the layer's output projection reads): one op dispatch per layer instead of
+// two plus a reshape.
+std::vector<paddle::Tensor> RopePagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& positions,
+                                               const paddle::Tensor& cos_sin, const paddle::Tensor& k_cache,
+                                               const paddle::Tensor& v_cache, const paddle::Tensor& slots,
+                                               const paddle::Tensor& query_start, const paddle::Tensor& seq_lens,
+                                               const paddle::Tensor& block_tables, int64_t num_heads,
+                                               int64_t num_kv_heads, float scale, int64_t sliding_window) {
+  const paddle::Tensor q = RopeWriteKv(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads)[0];
+  auto out = paddle::empty({q.shape()[0], q.shape()[1] * q.shape()[2]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  paged_attention_into(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, sliding_window,
+                       out.data<float>());
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> RopePagedAttentionShape(const std::vector<int64_t>& qkv, const std::vector<int64_t>&,
+                                                          const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                                          const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                                          const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                                          const std::vector<int64_t>&, int64_t num_heads,
+                                                          int64_t num_kv_heads, float, int64_t) {
+  return {{qkv[0], qkv[1] / (num_heads + 2 * num_kv_heads) * num_heads}};
+}
+
+std::vector<paddle::DataType> RopePagedAttentionDtype(const paddle::DataType&, const paddle::DataType&,
+                                                      const paddle::DataType&, const paddle::DataType&,
+                                                      const paddle::DataType&, const paddle::DataType&,
+                                                      const paddle::DataType&, const paddle::DataType&,
+                                                      const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32};
 }
 
 std::vector<std::vector<int64_t>> RopeWriteKvShape(const std::vector<int64_t>& qkv, const std::vector<int64_t>&,
@@ -432,3 +476,11 @@ PD_BUILD_OP(fd_paged_attention)
     .SetKernelFn(PD_KERNEL(PagedAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionDtype));
+
+PD_BUILD_OP(fd_rope_paged_attention)
+    .Inputs({"QKV", "Positions", "CosSin", "KCache", "VCache", "Slots", "QueryStart", "SeqLens", "BlockTables"})
+    .Outputs({"Out"})
+    .Attrs({"num_heads: int64_t", "num_kv_heads: int64_t", "scale: float", "sliding_window: int64_t"})
+    .SetKernelFn(PD_KERNEL(RopePagedAttention))
+    .SetInferShapeFn(PD_INFER_SHAPE(RopePagedAttentionShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RopePagedAttentionDtype));
