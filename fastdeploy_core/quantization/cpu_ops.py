@@ -87,32 +87,42 @@ class CpuOps(CpuQuantOps, ReferenceOps):
     ``[in, out]`` on Paddle's matmul, as does everything when the kernels cannot build.
     """
 
-    #: int4 storage (uint8) goes to the VNNI layout ``[N / 32, K / 8, 32, 4]`` when the CPU has
-    #: AVX-512 VNNI (``FD_INT4_VNNI=0``: keep ``[N / 32, K / 2, 32]`` and the float-FMA loop).
-    int4_vnni_layout = has_avx512_vnni() and os.environ.get("FD_INT4_VNNI", "1") not in ("0", "")
-
     def prepare_linear_weight(self, weight: paddle.Tensor) -> paddle.Tensor | None:
         if weight.ndim != 2 or weight.shape[1] % PACK_COLUMNS != 0 or not (self._have_kernels or self._ready()):
             return None
-        if weight.dtype == paddle.uint8 and self.int4_vnni_layout and (2 * int(weight.shape[0])) % VNNI_CHUNK == 0:
-            return pack_int4_vnni_tiles(weight)
         return pack_column_tiles(weight)
 
-    def prepare_int4_scales(self, weight: paddle.Tensor, scale: paddle.Tensor, offset: paddle.Tensor):
-        """``(scale, offset)`` of an int4 layer whose weight is in the VNNI layout, as ``[N / 32, G, 32]``
-        column tiles (each tile's scales one contiguous stream, as its weights), else ``None``.
+    #: int4 layers (``wint4``, ``w4a8``) take the VNNI layout when the CPU has AVX-512 VNNI
+    #: (``FD_INT4_VNNI=0``: keep ``[N / 32, K / 2, 32]`` and the float-FMA loop).
+    int4_vnni_layout = has_avx512_vnni() and os.environ.get("FD_INT4_VNNI", "1") not in ("0", "")
 
-        float16 when both convert to it exactly (GGUF Q4_0 / Q4_1 store ``d`` and ``m`` as
-        float16): a decode step then reads 20 instead of 24 bytes per 32 weights.
+    def prepare_int4_weights(self, weight: paddle.Tensor, scale: paddle.Tensor, offset: paddle.Tensor):
+        """An int4 layer's ``(weight, scale, offset)`` for ``fd_int4_linear``'s ``vpdpbusd`` path, else ``None``.
+
+        The codes ``uint8 [K / 2, N]`` become ``[N / 32, K / 8, 32, 4]`` (:func:`pack_int4_vnni_tiles`),
+        the scales and offsets ``[N / 32, G, 32]`` column tiles (each tile's scales one contiguous
+        stream, as its codes), float16 when both convert exactly (GGUF Q4_0 / Q4_1 store ``d`` and
+        ``m`` as float16: a decode step then reads 20 instead of 24 bytes per 32 weights).
+        ``None`` (the layer keeps :meth:`prepare_linear_weight`'s layout) without VNNI, kernels,
+        or when ``K % 8`` or ``N % 32`` is not 0.
         """
-        if weight.ndim != 4 or scale.ndim != 2 or offset.ndim != 2:
+        if (
+            not self.int4_vnni_layout
+            or weight.ndim != 2
+            or weight.dtype != paddle.uint8
+            or scale.ndim != 2
+            or offset.ndim != 2
+            or weight.shape[1] % PACK_COLUMNS != 0
+            or (2 * int(weight.shape[0])) % VNNI_CHUNK != 0
+            or not (self._have_kernels or self._ready())
+        ):
             return None
         s, o = scale.numpy(), offset.numpy()
         with np.errstate(over="ignore"):
             s16, o16 = s.astype(np.float16), o.astype(np.float16)
         if np.array_equal(s16.astype(np.float32), s) and np.array_equal(o16.astype(np.float32), o):
             scale, offset = paddle.to_tensor(s16), paddle.to_tensor(o16)
-        return pack_column_tiles(scale), pack_column_tiles(offset)
+        return pack_int4_vnni_tiles(weight), pack_column_tiles(scale), pack_column_tiles(offset)
 
     def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
         if weight.ndim == 3:  # packed by prepare_linear_weight

@@ -230,18 +230,20 @@ class WeightOnlyInt4(QuantizerBase):
         return layer.weight, layer.weight_scale, layer.weight_offset, self.config.group_size
 
     def process_weights_after_loading(self, layer) -> None:
-        """As every method, then let the device tile the scales and offsets as it did the weight
-        (the cpu ops' int4 VNNI layout reads them per 32-column tile)."""
-        super().process_weights_after_loading(layer)
-        prepare = getattr(current_ops(), "prepare_int4_scales", None)
+        """The device's int4 layout for codes, scales and offsets together when it has one
+        (``ops.prepare_int4_weights``: the cpu ops' VNNI layout), else as every method."""
+        ops = current_ops()
+        prepare = getattr(ops, "prepare_int4_weights", None) if hasattr(ops, self.device_op) else None
         prepared = prepare(layer.weight, layer.weight_scale, layer.weight_offset) if prepare is not None else None
-        if prepared is not None:
-            for name, value in zip(("weight_scale", "weight_offset"), prepared):
-                if name in layer._buffers:
-                    layer.register_buffer(name, value, persistable=True)
-                else:
-                    replace_parameter(layer, name, value)
-            layer.__dict__.pop("_quant_op_args", None)
+        if prepared is None:
+            super().process_weights_after_loading(layer)
+            return
+        for name, value in zip(("weight", "weight_scale", "weight_offset"), prepared):
+            if name in layer._buffers:
+                layer.register_buffer(name, value, persistable=True)
+            else:
+                replace_parameter(layer, name, value)
+        layer.__dict__.pop("_quant_op_args", None)
 
     @staticmethod
     def reference_op(x, weight, scale, offset, group_size, bias=None):
