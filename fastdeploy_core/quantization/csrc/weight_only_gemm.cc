@@ -59,6 +59,7 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 enum class Kind { kInt8, kInt4, kFp8, kF32 };
 
 constexpr int64_t kCols = 32;  // output columns per tile: two vectors
+constexpr int64_t kPrefetchRows = 16;  // weight rows a 1-2 row tile asks for ahead of its loads
 constexpr int kRows = 4;       // rows of x per tile (8 for float32 weights: no widening, more FMAs per load)
 template <Kind KIND>
 constexpr int kRowsFor = KIND == Kind::kF32 ? 8 : kRows;
@@ -191,6 +192,9 @@ void tile(const Problem& p, int64_t m, int64_t n0) {
       if constexpr (kTwoChains) {
         for (; k + 1 < k_end; k += 2) {
           const uint8_t* row = p.w + (n0 / kCols) * p.tile_bytes + k * p.row_bytes;
+          // A batch-1/2 tile streams its weights once: ask for them kPrefetchRows rows ahead.
+          for (int64_t b = 0; b < 2 * kCols * kElem<KIND>; b += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.row_bytes + b), _MM_HINT_T0);
           const f32x16 w0 = load_w<KIND>(row), w1 = load_w<KIND>(row + 16 * kElem<KIND>);
           const f32x16 v0 = load_w<KIND>(row + p.row_bytes), v1 = load_w<KIND>(row + p.row_bytes + 16 * kElem<KIND>);
           for (int r = 0; r < ROWS; ++r) {
