@@ -42,6 +42,12 @@ def _case(specs, seed=0):
     return meta, qkv, caches
 
 
+def _attend(kernels, q, k, v, meta, scale, window):
+    """``fd_paged_attention`` over the step described by ``meta``."""
+    step = (paddle.to_tensor(meta.query_start_loc), paddle.to_tensor(meta.seq_lens), paddle.to_tensor(meta.block_tables))
+    return kernels.fd_paged_attention(q, k, v, *step, scale, window)
+
+
 @pytest.mark.parametrize(
     "specs",
     [[(1, 40)], [(1, 5), (1, 63), (1, 0)], [(50, 0)], [(20, 11), (1, 7), (3, 0)]],
@@ -63,17 +69,19 @@ def test_kernels_match_the_reference_ops(specs, window, kernels):
     assert tuple(q.shape) == (qkv.shape[0], HEADS, D)
     np.testing.assert_allclose(k.numpy(), rk.numpy(), rtol=0, atol=1e-5)  # the same slots, rotated keys
     np.testing.assert_array_equal(v.numpy(), rv.numpy())  # values copied as they are
-    out = kernels.fd_paged_attention(
-        q,
-        k,
-        v,
-        paddle.to_tensor(meta.query_start_loc),
-        paddle.to_tensor(meta.seq_lens),
-        paddle.to_tensor(meta.block_tables),
-        scale,
-        window,
-    )
+    out = _attend(kernels, q, k, v, meta, scale, window)
     np.testing.assert_allclose(out.numpy().reshape(want.shape), want.numpy(), rtol=1e-4, atol=1e-5)
+
+    # The fused op the cpu table calls: both steps in one, [T, h * d] out, the same caches.
+    fk, fv = paddle.to_tensor(k0), paddle.to_tensor(v0)
+    step = (paddle.to_tensor(meta.query_start_loc), paddle.to_tensor(meta.seq_lens), paddle.to_tensor(meta.block_tables))
+    fused = kernels.fd_rope_paged_attention(
+        paddle.to_tensor(qkv), meta.positions, table, fk, fv, meta.slot_mapping, *step, HEADS, KV_HEADS, scale, window
+    )
+    assert tuple(fused.shape) == (qkv.shape[0], HEADS * D)
+    np.testing.assert_array_equal(fused.numpy(), out.numpy().reshape(fused.shape))
+    np.testing.assert_array_equal(fk.numpy(), k.numpy())
+    np.testing.assert_array_equal(fv.numpy(), v.numpy())
 
 
 @pytest.mark.parametrize(
@@ -100,16 +108,7 @@ def test_paged_attention_every_head_size_and_work_split(specs, heads, kv_heads, 
         want = ReferenceOps().paged_attention(
             paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), meta, scale, window or None
         )
-        out = kernels.fd_paged_attention(
-            paddle.to_tensor(q),
-            paddle.to_tensor(k),
-            paddle.to_tensor(v),
-            paddle.to_tensor(meta.query_start_loc),
-            paddle.to_tensor(meta.seq_lens),
-            paddle.to_tensor(meta.block_tables),
-            scale,
-            window,
-        )
+        out = _attend(kernels, paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), meta, scale, window)
         np.testing.assert_allclose(out.numpy().reshape(want.shape), want.numpy(), rtol=1e-4, atol=1e-5)
 
 
