@@ -591,6 +591,7 @@ struct Vnni32 {
   const float* meta;
   float* y;
   int64_t N;
+  int64_t per_chunk = 1;  // tiles per work item
 };
 
 template <int ROWS, int PIECES>
@@ -698,19 +699,23 @@ void vnni32_tile(const Vnni32& p, int64_t m, int64_t t) {
 
 template <int PIECES>
 void vnni32_gemm(const Vnni32& p) {
-  auto chunk = [](void* ctx, int64_t t) {
+  auto chunk = [](void* ctx, int64_t c) {
     const Vnni32& q = *static_cast<const Vnni32*>(ctx);
-    // Four rows per pass (with 2 pieces: 16 int32 accumulators; 2- or 3-row passes measured slower).
-    int64_t m = 0;
-    for (; m + 4 <= q.M; m += 4) vnni32_tile<4, PIECES>(q, m, t);
-    switch (q.M - m) {
-      case 3: vnni32_tile<3, PIECES>(q, m, t); break;
-      case 2: vnni32_tile<2, PIECES>(q, m, t); break;
-      case 1: vnni32_tile<1, PIECES>(q, m, t); break;
-      default: break;
+    const int64_t tiles = q.N / kCols;
+    for (int64_t t = c * q.per_chunk; t < std::min(tiles, (c + 1) * q.per_chunk); ++t) {
+      // Four rows per pass (with 2 pieces: 16 int32 accumulators; 2- or 3-row passes measured slower).
+      int64_t m = 0;
+      for (; m + 4 <= q.M; m += 4) vnni32_tile<4, PIECES>(q, m, t);
+      switch (q.M - m) {
+        case 3: vnni32_tile<3, PIECES>(q, m, t); break;
+        case 2: vnni32_tile<2, PIECES>(q, m, t); break;
+        case 1: vnni32_tile<1, PIECES>(q, m, t); break;
+        default: break;
+      }
     }
   };
-  fd_kernels::Pool::instance().run(p.N / kCols, chunk, const_cast<Vnni32*>(&p));
+  const int64_t tiles = p.N / kCols;
+  fd_kernels::Pool::instance().run((tiles + p.per_chunk - 1) / p.per_chunk, chunk, const_cast<Vnni32*>(&p));
 }
 
 // x [M, K] -> panel and meta (see Vnni32). act_int8: x holds the int8 codes (as floats).
@@ -851,6 +856,14 @@ std::vector<paddle::Tensor> run_int4_vnni(const paddle::Tensor& x_in, const padd
       vnni32_panel(xp, M, K, act_int8, panel.data(), meta.data());
       Vnni32 p{M, K, group_size / 32, w, scale.data(), offset.data(), half, s_tile, s_group, panel.data(), meta.data(),
                y, N};
+      {
+        // Work items of consecutive tiles, ~4 per core: each thread then streams (and
+        // prefetches) contiguous weights. Single tiles interleaved the two threads' streams:
+        // 120 calls at M = 1, 2 threads: 3.84 -> 3.36-3.48 ms (per-call tiles / 2, 4, 8 items).
+        static const int64_t items = 4 * std::max<int64_t>(1, std::thread::hardware_concurrency());
+        const int64_t tiles = N / kCols;
+        p.per_chunk = std::max<int64_t>(1, (tiles + items - 1) / items);
+      }
       if (act_int8)
         vnni32_gemm<1>(p);
       else
