@@ -57,13 +57,23 @@ def main() -> None:
                 (layouts["vnni"][-1][0], pack_column_tiles(s.astype("float16")), pack_column_tiles(o.astype("float16")))
             )
             nbytes += K * N // 2 + 2 * 4 * s.shape[0] * N
-    xs = {M: {K: paddle.to_tensor(rng.standard_normal((M, K)).astype(np.float32)) for K in (576, 1536)}
-          for M in (int(r) for r in args.rows.split(","))}
+    xs = {
+        M: {K: paddle.to_tensor(rng.standard_normal((M, K)).astype(np.float32)) for K in (576, 1536)}
+        for M in (int(r) for r in args.rows.split(","))
+    }
     threads = os.environ.get("FD_QUANT_KERNEL_THREADS") or os.environ["OMP_NUM_THREADS"]
-    print(f"threads={threads} group={args.group} act_int8={args.act_int8} weights {nbytes / 1e6:.1f} MB/step, "
-          f"load {os.getloadavg()[0]:.2f}")
-    results = {"threads": threads, "group": args.group, "act_int8": args.act_int8, "weight_mb": nbytes / 1e6,
-               "load_before": os.getloadavg()[0], "rows": {}}
+    print(
+        f"threads={threads} group={args.group} act_int8={args.act_int8} weights {nbytes / 1e6:.1f} MB/step, "
+        f"load {os.getloadavg()[0]:.2f}"
+    )
+    results = {
+        "threads": threads,
+        "group": args.group,
+        "act_int8": args.act_int8,
+        "weight_mb": nbytes / 1e6,
+        "load_before": os.getloadavg()[0],
+        "rows": {},
+    }
     for M, per_k in xs.items():
         best = {name: float("inf") for name in layouts}
         for _ in range(args.rounds):
@@ -72,12 +82,21 @@ def main() -> None:
                 for w, s, o in weights:
                     run("fd_int4_linear", per_k[_k_of(w)], w, s, o, args.group, args.act_int8)
                 best[name] = min(best[name], time.perf_counter() - t)
-        row = {name: {"ms_per_step": v * 1e3, "us_per_call": v * 1e6 / len(layouts[name]), "gb_s": nbytes / v / 1e9}
-               for name, v in best.items()}
+        row = {
+            name: {"ms_per_step": v * 1e3, "us_per_call": v * 1e6 / len(layouts[name]), "gb_s": nbytes / v / 1e9}
+            for name, v in best.items()
+        }
         row["speedup"] = best["old"] / min(v for n, v in best.items() if n != "old")
         results["rows"][M] = row
-        print(f"M={M}: " + "  ".join(f"{n} {r['ms_per_step']:.2f} ms ({r['us_per_call']:.1f} us/call, {r['gb_s']:.1f} GB/s)"
-                                     for n, r in row.items() if n != "speedup") + f"  speedup {row['speedup']:.2f}x")
+        print(
+            f"M={M}: "
+            + "  ".join(
+                f"{n} {r['ms_per_step']:.2f} ms ({r['us_per_call']:.1f} us/call, {r['gb_s']:.1f} GB/s)"
+                for n, r in row.items()
+                if n != "speedup"
+            )
+            + f"  speedup {row['speedup']:.2f}x"
+        )
     results["load_after"] = os.getloadavg()[0]
     if args.json:
         with open(args.json, "w") as fh:

@@ -82,7 +82,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--methods", default="none,wint8,wint4", help="ours (quant_decode.py names, e.g. add wint4:fma)")
+    parser.add_argument(
+        "--methods", default="none,wint8,wint4", help="ours (quant_decode.py names, e.g. add wint4:fma)"
+    )
     args = parser.parse_args()
     from fastdeploy_core.default_model import default_model_path
 

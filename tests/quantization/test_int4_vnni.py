@@ -152,7 +152,9 @@ def test_vnni_kernel_handles_zero_rows_and_checks_shapes(kernels):
         kernels.fd_int4_linear(paddle.ones([2, 64]), packed, scale, offset, 16, False)
 
 
-@pytest.mark.parametrize("quantizer", [WeightOnlyInt4({"group_size": 32}), WeightOnlyInt4(), W4A8()], ids=["wint4-g32", "wint4-g128", "w4a8"])
+@pytest.mark.parametrize(
+    "quantizer", [WeightOnlyInt4({"group_size": 32}), WeightOnlyInt4(), W4A8()], ids=["wint4-g32", "wint4-g128", "w4a8"]
+)
 def test_int4_layers_take_the_vnni_layout_and_keep_their_weights(quantizer, kernels, monkeypatch):
     monkeypatch.setattr(CpuOps, "int4_vnni_layout", True)  # the layout works on any build
     rng = np.random.default_rng(12)
