@@ -33,7 +33,8 @@
 // Vectors use GCC vector extensions (16 floats): with -march=native they compile to AVX-512
 // registers, or to pairs of AVX2 registers on AVX2-only machines.
 //
-// Threads (thread_pool.h) split the output columns into chunks of one or two tiles.
+// Threads (thread_pool.h) split the output columns into chunks of one or two tiles (the int4
+// VNNI loop: runs of consecutive tiles, ~4 per core).
 
 #include <immintrin.h>
 
@@ -360,8 +361,14 @@ std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
 // column tiles (one contiguous stream per tile, like the weights: ~10% faster from DRAM), in
 // float32 or float16 (the cpu ops use float16 when it holds them exactly, as for GGUF Q4_0 /
 // Q4_1, whose d and m are float16: 20 bytes per 32 weights instead of 24).
-// Other group sizes (not a multiple of 8), or a build without VNNI, run a plain scalar loop over
-// the same layout (correct, slow; the cpu ops only choose this layout when VNNI is there).
+// Loops: groups a multiple of 32 with K % 32 == 0 (GGUF Q4, the default 128) run vnni32_tile over
+// a block-major activation panel; other multiples of 8 the general vnni_tile. Other group sizes
+// (not a multiple of 8), or a build without VNNI, run a plain scalar loop over the same layout
+// (correct, slow; the cpu ops only choose this layout when VNNI is there).
+// Speed (Zen 4, 2026-11-30): a decode step's 120 projections (66 MB) at batch 1 stream ~20-24 GB/s
+// from one thread (the float-FMA layout: ~11), near this VM's ~25 GB/s; at 2-8 rows and in prefill
+// the loop is bound by vpdpbusd (1 per cycle: 2 pieces x rows x 8 per 256 weights), ~2.2x the
+// float-FMA loop. See benchmarks/quant_kernels.md, Session 3.
 
 constexpr int64_t kVnniChunk = 8;                  // k per chunk
 constexpr int kPieceMax = 32639;                   // |a| bound: a = 256 * hi + lo with hi, lo int8
