@@ -398,13 +398,45 @@ inline __m512 load_scales(const void* base, int64_t at, bool half) {
   return _mm512_loadu_ps(static_cast<const float*>(base) + at);
 }
 
+// The nibble codes of one 128-byte chunk at src (32 columns x 8 k) as vpdpbusd operands:
+// [0] / [1] k 0..3 of columns 0..15 / 16..31 (low nibbles), [2] / [3] k 4..7 (high nibbles).
+// Software prefetch 4 KB ahead in the weight stream: a one-thread step's 120 calls went from
+// ~14-15 to ~17-18 GB/s (the hardware prefetcher alone leaves gaps at this compute density;
+// 1-12 KB and T0/T1/NTA hints measured, 2-4 KB NTA/T0 best, noisy).
+__attribute__((always_inline)) inline void load_chunk(const uint8_t* src, __m512i (&codes)[4]) {
+  _mm_prefetch(reinterpret_cast<const char*>(src + kVnniPrefetch), _MM_HINT_NTA);
+  _mm_prefetch(reinterpret_cast<const char*>(src + kVnniPrefetch + 64), _MM_HINT_NTA);
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i w0 = _mm512_loadu_si512(src), w1 = _mm512_loadu_si512(src + 64);
+  codes[0] = _mm512_and_si512(w0, mask);
+  codes[1] = _mm512_and_si512(w1, mask);
+  codes[2] = _mm512_and_si512(_mm512_srli_epi16(w0, 4), mask);
+  codes[3] = _mm512_and_si512(_mm512_srli_epi16(w1, 4), mask);
+}
+
+// acc += a chunk's codes times 8 int8 activations at x (k 0..3 broadcast against codes[0..1],
+// k 4..7 against codes[2..3]); with SPLIT the k 4..7 products go to acc2, a second dependency
+// chain (one row: consecutive vpdpbusd would otherwise wait on each other, 4-cycle latency).
+template <bool SPLIT>
+__attribute__((always_inline)) inline void dot_chunk(const __m512i (&codes)[4], const int8_t* x, __m512i (&acc)[2],
+                                                     __m512i (&acc2)[2]) {
+  int32_t a, c;
+  std::memcpy(&a, x, 4);
+  std::memcpy(&c, x + 4, 4);
+  const __m512i xa = _mm512_set1_epi32(a), xc = _mm512_set1_epi32(c);
+  acc[0] = _mm512_dpbusd_epi32(acc[0], codes[0], xa);
+  acc[1] = _mm512_dpbusd_epi32(acc[1], codes[1], xa);
+  __m512i(&second)[2] = SPLIT ? acc2 : acc;
+  second[0] = _mm512_dpbusd_epi32(second[0], codes[2], xc);
+  second[1] = _mm512_dpbusd_epi32(second[1], codes[3], xc);
+}
+
 // ROWS rows of x (from row m) times tile t. PIECES: 2 (weight-only) or 1 (int8 activations).
 // CPB: chunks of 8 k per activation block when known at compile time (block 32: 4), else 0.
 template <int ROWS, int PIECES, int CPB>
 void vnni_tile(const VnniProblem& p, int64_t m, int64_t t) {
   const int64_t K = p.K, N = p.N, n0 = t * kCols;
   const uint8_t* wt = p.w + t * (K / kVnniChunk) * kVnniTileBytes;
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   // One row: a second accumulator per vector for the high nibbles (k 4..7), so consecutive
   // vpdpbusd do not wait on each other (4-cycle latency).
   constexpr bool kSplit = ROWS == 1;
@@ -431,42 +463,11 @@ void vnni_tile(const VnniProblem& p, int64_t m, int64_t t) {
         // Software prefetch 4 KB ahead in the weight stream: a one-thread step's 120 calls went
         // from ~14-15 to ~17-18 GB/s (the hardware prefetcher alone leaves gaps at this
         // compute density; 1-12 KB and T0/T1/NTA hints measured, 2-4 KB NTA/T0 best, noisy).
-        _mm_prefetch(reinterpret_cast<const char*>(src + kVnniPrefetch), _MM_HINT_NTA);
-        _mm_prefetch(reinterpret_cast<const char*>(src + kVnniPrefetch + 64), _MM_HINT_NTA);
-        const __m512i w0 = _mm512_loadu_si512(src), w1 = _mm512_loadu_si512(src + 64);
-        const __m512i l0 = _mm512_and_si512(w0, mask), l1 = _mm512_and_si512(w1, mask);
-        const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), mask);
-        const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), mask);
+        __m512i codes[4];
+        load_chunk(src, codes);
         for (int r = 0; r < ROWS; ++r) {
-          const int8_t* xl = p.xlo + (m + r) * K + k;
-          int32_t a, c;
-          std::memcpy(&a, xl, 4);
-          std::memcpy(&c, xl + 4, 4);
-          const __m512i xa = _mm512_set1_epi32(a), xc = _mm512_set1_epi32(c);
-          lo[r][0] = _mm512_dpbusd_epi32(lo[r][0], l0, xa);
-          lo[r][1] = _mm512_dpbusd_epi32(lo[r][1], l1, xa);
-          if constexpr (kSplit) {
-            lo2[r][0] = _mm512_dpbusd_epi32(lo2[r][0], h0, xc);
-            lo2[r][1] = _mm512_dpbusd_epi32(lo2[r][1], h1, xc);
-          } else {
-            lo[r][0] = _mm512_dpbusd_epi32(lo[r][0], h0, xc);
-            lo[r][1] = _mm512_dpbusd_epi32(lo[r][1], h1, xc);
-          }
-          if constexpr (PIECES == 2) {
-            const int8_t* xh = p.xhi + (m + r) * K + k;
-            std::memcpy(&a, xh, 4);
-            std::memcpy(&c, xh + 4, 4);
-            const __m512i ya = _mm512_set1_epi32(a), yc = _mm512_set1_epi32(c);
-            hi[r][0] = _mm512_dpbusd_epi32(hi[r][0], l0, ya);
-            hi[r][1] = _mm512_dpbusd_epi32(hi[r][1], l1, ya);
-            if constexpr (kSplit) {
-              hi2[r][0] = _mm512_dpbusd_epi32(hi2[r][0], h0, yc);
-              hi2[r][1] = _mm512_dpbusd_epi32(hi2[r][1], h1, yc);
-            } else {
-              hi[r][0] = _mm512_dpbusd_epi32(hi[r][0], h0, yc);
-              hi[r][1] = _mm512_dpbusd_epi32(hi[r][1], h1, yc);
-            }
-          }
+          dot_chunk<kSplit>(codes, p.xlo + (m + r) * K + k, lo[r], lo2[r]);
+          if constexpr (PIECES == 2) dot_chunk<kSplit>(codes, p.xhi + (m + r) * K + k, hi[r], hi2[r]);
         }
       };
       if (CPB > 0 && ke - kb == CPB * kVnniChunk) {
@@ -607,7 +608,6 @@ void vnni32_tile(const Vnni32& p, int64_t m, int64_t t) {
   const uint8_t* w = p.w + t * (p.K / kVnniChunk) * kVnniTileBytes;
   const int8_t* xb = p.panel + m * 64;
   const float* mb = p.meta + m * 4;
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   constexpr bool kSplit = ROWS == 1;
   __m512 total[ROWS][2];
   for (int r = 0; r < ROWS; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
@@ -639,41 +639,12 @@ void vnni32_tile(const Vnni32& p, int64_t m, int64_t t) {
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       const uint8_t* src = w + c * kVnniTileBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(src + kVnniPrefetch), _MM_HINT_NTA);
-      _mm_prefetch(reinterpret_cast<const char*>(src + kVnniPrefetch + 64), _MM_HINT_NTA);
-      const __m512i w0 = _mm512_loadu_si512(src), w1 = _mm512_loadu_si512(src + 64);
-      const __m512i l0 = _mm512_and_si512(w0, mask), l1 = _mm512_and_si512(w1, mask);
-      const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), mask);
-      const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), mask);
+      __m512i codes[4];
+      load_chunk(src, codes);
       for (int r = 0; r < ROWS; ++r) {
-        const int8_t* xr = xb + r * 64 + c * 8;
-        int32_t a, d;
-        std::memcpy(&a, xr, 4);
-        std::memcpy(&d, xr + 4, 4);
-        const __m512i xa = _mm512_set1_epi32(a), xd = _mm512_set1_epi32(d);
-        lo[r][0] = _mm512_dpbusd_epi32(lo[r][0], l0, xa);
-        lo[r][1] = _mm512_dpbusd_epi32(lo[r][1], l1, xa);
-        if constexpr (kSplit) {
-          lo2[r][0] = _mm512_dpbusd_epi32(lo2[r][0], h0, xd);
-          lo2[r][1] = _mm512_dpbusd_epi32(lo2[r][1], h1, xd);
-        } else {
-          lo[r][0] = _mm512_dpbusd_epi32(lo[r][0], h0, xd);
-          lo[r][1] = _mm512_dpbusd_epi32(lo[r][1], h1, xd);
-        }
-        if constexpr (PIECES == 2) {
-          std::memcpy(&a, xr + 32, 4);
-          std::memcpy(&d, xr + 36, 4);
-          const __m512i ya = _mm512_set1_epi32(a), yd = _mm512_set1_epi32(d);
-          hi[r][0] = _mm512_dpbusd_epi32(hi[r][0], l0, ya);
-          hi[r][1] = _mm512_dpbusd_epi32(hi[r][1], l1, ya);
-          if constexpr (kSplit) {
-            hi2[r][0] = _mm512_dpbusd_epi32(hi2[r][0], h0, yd);
-            hi2[r][1] = _mm512_dpbusd_epi32(hi2[r][1], h1, yd);
-          } else {
-            hi[r][0] = _mm512_dpbusd_epi32(hi[r][0], h0, yd);
-            hi[r][1] = _mm512_dpbusd_epi32(hi[r][1], h1, yd);
-          }
-        }
+        const int8_t* xr = xb + r * 64 + c * 8;  // 8 low pieces, the 8 high ones 32 bytes on
+        dot_chunk<kSplit>(codes, xr, lo[r], lo2[r]);
+        if constexpr (PIECES == 2) dot_chunk<kSplit>(codes, xr + 32, hi[r], hi2[r]);
       }
     }
     for (int r = 0; r < ROWS; ++r) {
