@@ -140,26 +140,30 @@ struct AttentionJob {
   const int64_t* token_pos;  // [T]: its position (keys 0..pos are visible)
   const int64_t* tables;     // [B, MB]
   int64_t max_blocks, block_size, num_heads, num_kv_heads, d, window;
-  int64_t heads_per_item;  // kv heads per work item: 1, or all of them (whole cache rows)
+  int64_t heads_per_item;   // kv heads per work item: 1, or all of them (whole cache rows)
+  int64_t tokens_per_item;  // consecutive query tokens per work item
+  int64_t num_tokens;
   float scale;
   float* out;  // [T, h, d]
 };
 
-// Calls fn(p, row) for key positions p in [first, last] with row the key's row in a cache
-// whose blocks are listed in table: one block at a time, no division per key.
 // Rows ahead of the one being read whose K and V lines are requested (prefetched). One item's
-// keys are a short strided walk (one head's 256 bytes of every 768-byte row) that the hardware
-// prefetcher does not pick up before it ends: without asking for rows ahead, a 64-sequence
-// decode step spent most of its attention waiting on DRAM (0.77 -> 0.33 ms per layer hot).
+// keys are a short walk that the hardware prefetcher does not pick up before it ends: without
+// asking for rows ahead, a 64-sequence decode step spent most of its attention waiting on DRAM.
+// Requests go to L2 (prefetcht1): into L1 they evicted the rows the current head's passes
+// re-read (0.57 -> 0.43 ms per layer, 64 decodes of 103 keys, cold caches, with Streamer).
 constexpr int64_t kPrefetchRows = 8;
 
 // Below this many (key, kv head) pairs a step's few query tokens run as one item per token on the
 // calling thread: waking a worker costs more than the work.
 constexpr int64_t kSplitKeys = 4096;
 
+// At most this many consecutive query tokens per work item.
+constexpr int64_t kTokensPerItem = 8;
+
 inline void prefetch_row(const float* row, int64_t d) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(float)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(float)); off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
 // The cache offsets (in floats, head 0) of key positions first .. first + n - 1, walking the
@@ -212,8 +216,34 @@ struct Prefetch {
   int64_t width = 0;
 };
 
+// The K and V rows of the next query token of a work item, requested a few cache lines per key
+// while the current token computes (its later passes read rows already in cache): the loads
+// from DRAM then overlap with arithmetic instead of stalling the first pass of every token
+// (with the L2 hint above: 64 decodes of 103 keys, cold caches, 0.57 -> 0.43 ms per layer; reading
+// the rows alone takes 0.34 ms, computing on them in cache 0.25 ms).
+struct Streamer {
+  const float* k = nullptr;  // row starts (head 0) of the cache
+  const float* v = nullptr;
+  const int64_t* off = nullptr;  // the next token's key offsets
+  int64_t rows = 0, row_lines = 0;
+  int64_t row = 0, line = 0;  // the next line to request: line `line` of K row `row` (V rows follow K's)
+
+  void start(const float* k_, const float* v_, const int64_t* off_, int64_t rows_, int64_t row_bytes) {
+    k = k_, v = v_, off = off_, rows = rows_, row_lines = (row_bytes + 63) / 64, row = 0, line = 0;
+  }
+
+  inline void step(int lines) {
+    for (int i = 0; i < lines && row < 2 * rows; ++i) {
+      const float* base = row < rows ? k + off[row] : v + off[row - rows];
+      _mm_prefetch(reinterpret_cast<const char*>(base) + line * 64, _MM_HINT_T1);
+      if (++line == row_lines) line = 0, ++row;
+    }
+  }
+};
+
 template <int D16>
-void scores_fixed(const float* q, const float* k, const int64_t* off, int64_t n, float* s, const Prefetch& pf) {
+void scores_fixed(const float* q, const float* k, const int64_t* off, int64_t n, float* s, const Prefetch& pf,
+                  Streamer& st) {
   f32x16 qv[D16];
   for (int c = 0; c < D16; ++c) qv[c] = load16(q + 16 * c);
   for (int64_t i0 = 0; i0 < n; i0 += 16) {
@@ -224,6 +254,7 @@ void scores_fixed(const float* q, const float* k, const int64_t* off, int64_t n,
         if (i0 + j + kPrefetchRows < n) prefetch_row(pf.k + off[i0 + j + kPrefetchRows], pf.width);
         prefetch_row(pf.v + off[i0 + j], pf.width);
       }
+      st.step(2);
       const float* row = k + off[i0 + j];
       f32x16 acc = qv[0] * load16(row);
       for (int c = 1; c < D16; ++c) acc += qv[c] * load16(row + 16 * c);
@@ -236,9 +267,10 @@ void scores_fixed(const float* q, const float* k, const int64_t* off, int64_t n,
 
 // out = sum_i p[i] * value_i for n values at v + off[i], the output row held in registers.
 template <int D16>
-void weighted_sum_fixed(const float* p, const float* v, const int64_t* off, int64_t n, float* out) {
+void weighted_sum_fixed(const float* p, const float* v, const int64_t* off, int64_t n, float* out, Streamer& st) {
   f32x16 acc[D16] = {};
   for (int64_t i = 0; i < n; ++i) {
+    st.step(2);
     const float* row = v + off[i];
     const f32x16 w = f32x16{} + p[i];
     for (int c = 0; c < D16; ++c) acc[c] += w * load16(row + 16 * c);
@@ -248,8 +280,9 @@ void weighted_sum_fixed(const float* p, const float* v, const int64_t* off, int6
 
 // Any head size: one dot product per key, values accumulated in the output row.
 void scores_any(const float* q, const float* k, const int64_t* off, int64_t n, int64_t d, float* s,
-                const Prefetch& pf) {
+                const Prefetch& pf, Streamer& st) {
   for (int64_t i = 0; i < n; ++i) {
+    st.step(2);
     if (pf.k != nullptr) {
       if (i + kPrefetchRows < n) prefetch_row(pf.k + off[i + kPrefetchRows], pf.width);
       prefetch_row(pf.v + off[i], pf.width);
@@ -258,28 +291,33 @@ void scores_any(const float* q, const float* k, const int64_t* off, int64_t n, i
   }
 }
 
-void weighted_sum_any(const float* p, const float* v, const int64_t* off, int64_t n, int64_t d, float* out) {
+void weighted_sum_any(const float* p, const float* v, const int64_t* off, int64_t n, int64_t d, float* out,
+                      Streamer& st) {
   std::memset(out, 0, d * sizeof(float));
-  for (int64_t i = 0; i < n; ++i) axpy(p[i], v + off[i], out, d);
-}
-
-void scores(const float* q, const float* k, const int64_t* off, int64_t n, int64_t d, float* s, const Prefetch& pf) {
-  switch (d) {
-    case 16: return scores_fixed<1>(q, k, off, n, s, pf);
-    case 32: return scores_fixed<2>(q, k, off, n, s, pf);
-    case 64: return scores_fixed<4>(q, k, off, n, s, pf);
-    case 128: return scores_fixed<8>(q, k, off, n, s, pf);
-    default: return scores_any(q, k, off, n, d, s, pf);
+  for (int64_t i = 0; i < n; ++i) {
+    st.step(2);
+    axpy(p[i], v + off[i], out, d);
   }
 }
 
-void weighted_sum(const float* p, const float* v, const int64_t* off, int64_t n, int64_t d, float* out) {
+void scores(const float* q, const float* k, const int64_t* off, int64_t n, int64_t d, float* s, const Prefetch& pf,
+            Streamer& st) {
   switch (d) {
-    case 16: return weighted_sum_fixed<1>(p, v, off, n, out);
-    case 32: return weighted_sum_fixed<2>(p, v, off, n, out);
-    case 64: return weighted_sum_fixed<4>(p, v, off, n, out);
-    case 128: return weighted_sum_fixed<8>(p, v, off, n, out);
-    default: return weighted_sum_any(p, v, off, n, d, out);
+    case 16: return scores_fixed<1>(q, k, off, n, s, pf, st);
+    case 32: return scores_fixed<2>(q, k, off, n, s, pf, st);
+    case 64: return scores_fixed<4>(q, k, off, n, s, pf, st);
+    case 128: return scores_fixed<8>(q, k, off, n, s, pf, st);
+    default: return scores_any(q, k, off, n, d, s, pf, st);
+  }
+}
+
+void weighted_sum(const float* p, const float* v, const int64_t* off, int64_t n, int64_t d, float* out, Streamer& st) {
+  switch (d) {
+    case 16: return weighted_sum_fixed<1>(p, v, off, n, out, st);
+    case 32: return weighted_sum_fixed<2>(p, v, off, n, out, st);
+    case 64: return weighted_sum_fixed<4>(p, v, off, n, out, st);
+    case 128: return weighted_sum_fixed<8>(p, v, off, n, out, st);
+    default: return weighted_sum_any(p, v, off, n, d, out, st);
   }
 }
 
@@ -302,23 +340,21 @@ void softmax(float* s, int64_t padded) {
   for (int64_t p = 0; p < padded; p += 16) store16(s + p, load16(s + p) * inv);
 }
 
-// One work item: query token t and kv heads g0 .. g0 + heads_per_item - 1 (with every group of
-// query heads that shares them).
-void attend(void* ctx, int64_t item) {
-  const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
-  const int64_t items_per_token = j.num_kv_heads / j.heads_per_item;
-  const int64_t t = item / items_per_token, g0 = item % items_per_token * j.heads_per_item;
-  const int64_t group = j.num_heads / j.num_kv_heads, d = j.d;
+// The keys query token t sees: positions first .. first + n - 1.
+inline void visible_keys(const AttentionJob& j, int64_t t, int64_t* first, int64_t* n) {
   const int64_t last = j.token_pos[t];
-  const int64_t first = j.window > 0 ? std::max<int64_t>(0, last - j.window + 1) : 0;
-  const int64_t n = last + 1 - first;  // keys first .. last
+  *first = j.window > 0 ? std::max<int64_t>(0, last - j.window + 1) : 0;
+  *n = last + 1 - *first;
+}
+
+// Query token t, kv heads g0 .. g0 + heads_per_item - 1 (with every group of query heads that
+// shares them), its key offsets in off; st streams the rows of the item's next token.
+void attend_token(const AttentionJob& j, int64_t t, int64_t g0, int64_t n, const int64_t* off, Streamer& st) {
+  const int64_t group = j.num_heads / j.num_kv_heads, d = j.d;
   const int64_t stride = (n + 15) / 16 * 16;  // each head's scores padded to whole vectors
   thread_local std::vector<float> sc, qs;
-  thread_local std::vector<int64_t> off;
-  off.resize(n);
   sc.resize(stride);
   qs.resize(d);
-  key_offsets(j.tables + j.token_seq[t] * j.max_blocks, j.block_size, first, n, j.num_kv_heads * d, off.data());
   Prefetch pf{j.k + g0 * d, j.v + g0 * d, j.heads_per_item * d};
   for (int64_t i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_row(pf.k + off[i], pf.width);
   for (int64_t g = g0; g < g0 + j.heads_per_item; ++g) {
@@ -329,11 +365,42 @@ void attend(void* ctx, int64_t item) {
       const float* src = j.q + (t * j.num_heads + head) * d;
       for (int64_t i = 0; i < d; ++i) qs[i] = src[i] * j.scale;
       float* s = sc.data();
-      scores(qs.data(), k, off.data(), n, d, s, pf);
+      scores(qs.data(), k, off, n, d, s, pf, st);
       pf = Prefetch{};
       for (int64_t i = n; i < stride; ++i) s[i] = -INFINITY;
       softmax(s, stride);
-      weighted_sum(s, v, off.data(), n, d, j.out + (t * j.num_heads + head) * d);
+      weighted_sum(s, v, off, n, d, j.out + (t * j.num_heads + head) * d, st);
+    }
+  }
+}
+
+// One work item: query tokens [item * tokens_per_item, ...) (at most tokens_per_item of them)
+// and kv heads g0 .. g0 + heads_per_item - 1.
+void attend(void* ctx, int64_t item) {
+  const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
+  const int64_t items_per_run = j.num_kv_heads / j.heads_per_item;
+  const int64_t run = item / items_per_run, g0 = item % items_per_run * j.heads_per_item;
+  const int64_t t_begin = run * j.tokens_per_item, t_end = std::min(j.num_tokens, t_begin + j.tokens_per_item);
+  const int64_t row_stride = j.num_kv_heads * j.d;
+  thread_local std::vector<int64_t> off, next_off;
+  int64_t first, n;
+  visible_keys(j, t_begin, &first, &n);
+  off.resize(n);
+  key_offsets(j.tables + j.token_seq[t_begin] * j.max_blocks, j.block_size, first, n, row_stride, off.data());
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    Streamer st;
+    int64_t next_first = 0, next_n = 0;
+    if (t + 1 < t_end) {
+      visible_keys(j, t + 1, &next_first, &next_n);
+      next_off.resize(next_n);
+      key_offsets(j.tables + j.token_seq[t + 1] * j.max_blocks, j.block_size, next_first, next_n, row_stride,
+                  next_off.data());
+      st.start(j.k + g0 * j.d, j.v + g0 * j.d, next_off.data(), next_n, j.heads_per_item * j.d * 4);
+    }
+    attend_token(j, t, g0, n, off.data(), st);
+    if (t + 1 < t_end) {
+      off.swap(next_off);
+      n = next_n;
     }
   }
 }
@@ -381,14 +448,22 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
   AttentionJob job{q.data<float>(),  k_cache.data<float>(), v_cache.data<float>(), token_seq.data(),
                    token_pos.data(), tables,                max_blocks,            block_size,
                    h,                kvh,                   d,                     sliding_window,
-                   kvh,              scale,                 out};
+                   kvh,              1,                     T,
+                   scale,            out};
   // Whole cache rows per item (one sequential stream the hardware prefetcher follows; 0.68 ->
   // 0.57 ms per layer for 64 decodes of 103 keys) unless there are too few query tokens to
   // keep the threads busy and enough keys to be worth waking them: then one item per kv head.
   int64_t keys = 0;
   for (int64_t t = 0; t < T; ++t) keys += token_pos[t] + 1;
-  if (T < 2 * fd_kernels::Pool::instance().threads() && keys * kvh >= kSplitKeys) job.heads_per_item = 1;
-  fd_kernels::Pool::instance().run(T * kvh / job.heads_per_item, attend, &job);
+  const int64_t threads = fd_kernels::Pool::instance().threads();
+  if (T < 2 * threads && keys * kvh >= kSplitKeys) {
+    job.heads_per_item = 1;
+  } else {
+    // Runs of tokens (the next one's rows stream in while one computes), ~4 items per thread.
+    job.tokens_per_item = std::max<int64_t>(1, std::min<int64_t>(kTokensPerItem, T / (4 * threads)));
+  }
+  const int64_t runs = (T + job.tokens_per_item - 1) / job.tokens_per_item;
+  fd_kernels::Pool::instance().run(runs * (kvh / job.heads_per_item), attend, &job);
 }
 
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
