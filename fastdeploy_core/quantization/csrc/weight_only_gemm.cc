@@ -431,6 +431,20 @@ __attribute__((always_inline)) inline void dot_chunk(const __m512i (&codes)[4], 
   second[1] = _mm512_dpbusd_epi32(second[1], codes[3], xc);
 }
 
+// A block's integer dot product from its accumulators: low piece + 256 x high piece (two
+// pieces), each the sum of its two chains when SPLIT.
+template <bool SPLIT, int PIECES>
+__attribute__((always_inline)) inline __m512i block_dot(__m512i lo, __m512i lo2, __m512i hi, __m512i hi2) {
+  __m512i v = lo;
+  if constexpr (SPLIT) v = _mm512_add_epi32(v, lo2);
+  if constexpr (PIECES == 2) {
+    __m512i u = hi;
+    if constexpr (SPLIT) u = _mm512_add_epi32(u, hi2);
+    v = _mm512_add_epi32(v, _mm512_slli_epi32(u, 8));
+  }
+  return v;
+}
+
 // ROWS rows of x (from row m) times tile t. PIECES: 2 (weight-only) or 1 (int8 activations).
 // CPB: chunks of 8 k per activation block when known at compile time (block 32: 4), else 0.
 template <int ROWS, int PIECES, int CPB>
@@ -484,13 +498,7 @@ void vnni_tile(const VnniProblem& p, int64_t m, int64_t t) {
           f1 = _mm512_mul_ps(s1, sb);
         }
         for (int h = 0; h < 2; ++h) {
-          __m512i v = lo[r][h];
-          if constexpr (kSplit) v = _mm512_add_epi32(v, lo2[r][h]);
-          if constexpr (PIECES == 2) {
-            __m512i u = hi[r][h];
-            if constexpr (kSplit) u = _mm512_add_epi32(u, hi2[r][h]);
-            v = _mm512_add_epi32(v, _mm512_slli_epi32(u, 8));
-          }
+          const __m512i v = block_dot<kSplit, PIECES>(lo[r][h], lo2[r][h], hi[r][h], hi2[r][h]);
           total[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), h == 0 ? f0 : f1, total[r][h]);
         }
       }
@@ -656,13 +664,7 @@ void vnni32_tile(const Vnni32& p, int64_t m, int64_t t) {
       }
       const __m512 xs = _mm512_set1_ps(mb[r * 4 + 2]);
       for (int h = 0; h < 2; ++h) {
-        __m512i v = lo[r][h];
-        if constexpr (kSplit) v = _mm512_add_epi32(v, lo2[r][h]);
-        if constexpr (PIECES == 2) {
-          __m512i u = hi[r][h];
-          if constexpr (kSplit) u = _mm512_add_epi32(u, hi2[r][h]);
-          v = _mm512_add_epi32(v, _mm512_slli_epi32(u, 8));
-        }
+        const __m512i v = block_dot<kSplit, PIECES>(lo[r][h], lo2[r][h], hi[r][h], hi2[r][h]);
         total[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), h == 0 ? f0 : f1, total[r][h]);
         total[r][h] = _mm512_fmadd_ps(h == 0 ? o0 : o1, xs, total[r][h]);
       }
