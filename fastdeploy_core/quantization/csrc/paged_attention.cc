@@ -37,23 +37,10 @@ namespace {
 
 using fd_kernels::exp16;
 using fd_kernels::f32x16;
+using fd_kernels::hsum;
 using fd_kernels::i32x16;
 using fd_kernels::load16;
 using fd_kernels::store16;
-
-
-inline float hsum(f32x16 v) {
-#if defined(__AVX512F__)
-  __m512 r;
-  std::memcpy(&r, &v, sizeof(r));
-  return _mm512_reduce_add_ps(r);  // a few shuffles instead of 16 dependent scalar adds
-#else
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-#endif
-}
-
 inline float dot(const float* a, const float* b, int64_t d) {
   int64_t i = 0;
   float s = 0.f;
@@ -205,9 +192,7 @@ inline f32x16 sum16(const f32x16* v) {
 #endif
 }
 
-// Scores s[i] = q . key_i (q already scaled) for n keys at k + off[i], head size 16 * D16:
-// 16 keys at a time, each key's partial products in one vector, then one tree of sums.
-// What the first score pass of a work item asks for: from the row starts k and v, `width`
+// What the first score pass of a token asks for (a token not streamed in): from the row starts k and v, `width`
 // floats of every key row (the K rows kPrefetchRows ahead, the V rows the weighted sums will
 // read). Later passes of the item find the rows in cache and pass k = nullptr.
 struct Prefetch {
@@ -241,6 +226,8 @@ struct Streamer {
   }
 };
 
+// Scores s[i] = q . key_i (q already scaled) for n keys at k + off[i], head size 16 * D16:
+// 16 keys at a time, each key's partial products in one vector, then one tree of sums.
 template <int D16>
 void scores_fixed(const float* q, const float* k, const int64_t* off, int64_t n, float* s, const Prefetch& pf,
                   Streamer& st) {
@@ -348,15 +335,20 @@ inline void visible_keys(const AttentionJob& j, int64_t t, int64_t* first, int64
 }
 
 // Query token t, kv heads g0 .. g0 + heads_per_item - 1 (with every group of query heads that
-// shares them), its key offsets in off; st streams the rows of the item's next token.
-void attend_token(const AttentionJob& j, int64_t t, int64_t g0, int64_t n, const int64_t* off, Streamer& st) {
+// shares them), its key offsets in off; st streams the rows of the item's next token. A token
+// whose rows a previous token's Streamer requested (streamed_in) asks for none itself.
+void attend_token(const AttentionJob& j, int64_t t, int64_t g0, int64_t n, const int64_t* off, bool streamed_in,
+                  Streamer& st) {
   const int64_t group = j.num_heads / j.num_kv_heads, d = j.d;
   const int64_t stride = (n + 15) / 16 * 16;  // each head's scores padded to whole vectors
   thread_local std::vector<float> sc, qs;
   sc.resize(stride);
   qs.resize(d);
-  Prefetch pf{j.k + g0 * d, j.v + g0 * d, j.heads_per_item * d};
-  for (int64_t i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_row(pf.k + off[i], pf.width);
+  Prefetch pf;
+  if (!streamed_in) {
+    pf = Prefetch{j.k + g0 * d, j.v + g0 * d, j.heads_per_item * d};
+    for (int64_t i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_row(pf.k + off[i], pf.width);
+  }
   for (int64_t g = g0; g < g0 + j.heads_per_item; ++g) {
     const float* k = j.k + g * d;
     const float* v = j.v + g * d;
@@ -397,7 +389,7 @@ void attend(void* ctx, int64_t item) {
                   next_off.data());
       st.start(j.k + g0 * j.d, j.v + g0 * j.d, next_off.data(), next_n, j.heads_per_item * j.d * 4);
     }
-    attend_token(j, t, g0, n, off.data(), st);
+    attend_token(j, t, g0, n, off.data(), t > t_begin, st);
     if (t + 1 < t_end) {
       off.swap(next_off);
       n = next_n;

@@ -50,9 +50,7 @@ float sum_of_squares(const float* x, int64_t n) {
     const f32x16 v = load16(x + i);
     a0 += v * v;
   }
-  const f32x16 a = (a0 + a1) + (a2 + a3);
-  float total = 0.f;
-  for (int l = 0; l < 16; ++l) total += a[l];
+  float total = fd_kernels::hsum((a0 + a1) + (a2 + a3));
   for (; i < n; ++i) total += x[i] * x[i];
   return total;
 }

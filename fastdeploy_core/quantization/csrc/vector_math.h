@@ -2,6 +2,10 @@
 // registers elsewhere) and the vector math the cpu kernels share.
 #pragma once
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <cstdint>
 #include <cstring>
 
@@ -17,6 +21,19 @@ inline f32x16 load16(const float* p) {
 }
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The sum of v's 16 lanes.
+inline float hsum(f32x16 v) {
+#if defined(__AVX512F__)
+  __m512 r;
+  std::memcpy(&r, &v, sizeof(r));
+  return _mm512_reduce_add_ps(r);  // a few shuffles instead of 16 dependent scalar adds
+#else
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+#endif
+}
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum), 16 lanes: x = n ln2 + r with
 // |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error < 2e-7, as expf), 2^n built in
