@@ -92,6 +92,29 @@ class SpeculativeConfig(_Section):
     num_speculative_tokens: int = Field(1, ge=1, le=16)
 
 
+class GraphOptConfig(_Section):
+    """Captured decode steps: FastDeploy's ``--graph-optimization-config`` JSON keys and
+    ``--use-cudagraph``, vLLM's ``--enforce-eager``. Each batch size in the capture list is
+    recorded on its first decode-only step and replayed after (on the cpu device: the kernel
+    calls, see ``fastdeploy_core/executor/decode_graph.py``)."""
+
+    use_cudagraph: bool = True
+    cudagraph_capture_sizes: list[int] | None = Field(None, description="None: 1, 2, 4, 8, 16, 32, 64 up to max_num_seqs")
+    enforce_eager: bool = False
+    graph_opt_level: Literal[0] = Field(0, description="static-graph conversion (FastDeploy levels 1-2) is not implemented")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "GraphOptConfig":
+        for size in self.cudagraph_capture_sizes or ():
+            if size < 1:
+                raise ValueError(f"cudagraph_capture_sizes: {size} is not a batch size; give sizes of 1 or more")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.use_cudagraph and not self.enforce_eager
+
+
 class ServerConfig(_Section):
     """The HTTP server."""
 
@@ -118,6 +141,7 @@ class EngineArgs(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     quant: QuantizationConfig = Field(default_factory=QuantizationConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    graph_opt: GraphOptConfig = Field(default_factory=GraphOptConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "EngineArgs":
@@ -143,6 +167,7 @@ class EngineArgs(_Section):
             for key in info.annotation.model_fields:  # type: ignore[union-attr]
                 owners[key] = section
         owners["speculative_config"] = "speculative"
+        owners["graph_optimization_config"] = "graph_opt"
         return owners
 
     @classmethod
@@ -157,15 +182,15 @@ class EngineArgs(_Section):
                 param=unknown[0],
             )
         for key, value in kwargs.items():
-            if key == "speculative_config":
+            if key in ("speculative_config", "graph_optimization_config"):
                 if isinstance(value, str):
                     try:
                         value = json.loads(value)
                     except json.JSONDecodeError:
-                        raise ConfigError(
-                            f"speculative_config: {value!r} is not valid JSON", param=key
-                        ) from None
-                grouped["speculative"].update(value or {})
+                        raise ConfigError(f"{key}: {value!r} is not valid JSON", param=key) from None
+                if value is not None and not isinstance(value, dict):
+                    raise ConfigError(f"{key}: expected a JSON object, got {value!r}", param=key)
+                grouped[owners[key]].update(value or {})
             else:
                 grouped[owners[key]][key] = value
         try:

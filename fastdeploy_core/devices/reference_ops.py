@@ -42,6 +42,34 @@ def _cache_view(cache: paddle.Tensor, name: str, keep_dims: int) -> paddle.Tenso
     return view
 
 
+class CapturedGraph:
+    """What :meth:`ReferenceOps.capture_graph` returns: the capture run's ``output`` and, when
+    ``ok``, a way to run the same work again into the same output tensor."""
+
+    def __init__(self, output, replay_fn=None, reason: str = "", release_fn=None):
+        self.output = output
+        self.reason = reason
+        self._replay = replay_fn
+        self._release = release_fn
+
+    @property
+    def ok(self) -> bool:
+        return self._replay is not None
+
+    def replay(self):
+        """Run the captured work again (inputs refreshed in place by the caller); returns ``output``."""
+        if self._replay is None:
+            raise RuntimeError(f"this graph cannot be replayed: {self.reason}")
+        self._replay()
+        return self.output
+
+    def release(self) -> None:
+        """Free what the graph holds (its intermediate buffers); it cannot be replayed afterwards."""
+        if self._release is not None:
+            self._release()
+        self._replay = self._release = None
+
+
 class ReferenceOps:
     """Plain-Paddle implementation of every model op (the cpu device's ops table).
 
@@ -71,6 +99,16 @@ class ReferenceOps:
     def embedding(self, ids: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
         """Rows of ``weight [V, H]`` for ``ids [T]`` -> ``[T, H]``."""
         return paddle.index_select(weight, ids, axis=0)
+
+    def int8_embedding(self, ids: paddle.Tensor, weight: paddle.Tensor, scale: paddle.Tensor, group_size: int):
+        """Rows of an int8 table ``weight [V, H]`` for ``ids [T]``, widened: ``weight[id, k] *
+        scale[id, k // group_size]`` (``scale [V, ceil(H / group_size)]``) -> float32 ``[T, H]``."""
+        rows = paddle.gather(weight, ids, axis=0).astype("float32")  # no int8 index_select on cpu
+        row_scale = paddle.gather(scale, ids, axis=0)
+        if int(row_scale.shape[1]) > 1:
+            hidden = int(weight.shape[1])
+            row_scale = paddle.repeat_interleave(row_scale, group_size, axis=1)[:, :hidden]
+        return rows * row_scale
 
     def prepare_linear_weight(self, weight: paddle.Tensor) -> paddle.Tensor | None:
         """The layout this table's linear ops read fastest, for a loaded weight ``[rows, out]``.
@@ -122,6 +160,19 @@ class ReferenceOps:
             return _swiglu(x)
         gate, up = paddle.chunk(x, 2, axis=-1)
         return F.silu(gate) * up
+
+    # ---- captured steps ----------------------------------------------------------------------
+    def capture_graph(self, forward, static_tensors: list) -> "CapturedGraph":
+        """Run ``forward()`` once and keep its device work so :meth:`CapturedGraph.replay` can
+        run it again on the same buffers without Python (the counterpart of a CUDA graph).
+
+        ``static_tensors``: every tensor the forward may read that is not produced inside it
+        (weights, caches, the step's inputs, which the caller refreshes in place before each
+        replay). The result always carries ``forward``'s output; ``ok`` says whether it can be
+        replayed, ``reason`` why not. The reference ops capture nothing: a device whose ops
+        can be recorded (the cpu kernels, a CUDA graph) overrides this.
+        """
+        return CapturedGraph(forward(), None, "this device's ops table does not capture graphs")
 
     # ---- sampling ----------------------------------------------------------------------------
     def argmax_rows(self, logits: paddle.Tensor) -> np.ndarray:

@@ -34,6 +34,19 @@ class ForwardMeta:
     logits_indices: Any  # paddle.Tensor [B] int64: row of each sequence's last new token
     #: Scratch for the attention backend: derived tensors built once per step.
     attn_state: dict = field(default_factory=dict)
+    #: Device int64 copies of the host arrays, by field name (see :meth:`tensor`); a captured
+    #: decode graph's meta holds static ones that the runner refreshes in place.
+    tensors: dict = field(default_factory=dict)
+
+    def tensor(self, name: str):
+        """``query_start_loc``, ``seq_lens`` or ``block_tables`` as an int64 paddle tensor, made
+        once per step and shared by every layer."""
+        t = self.tensors.get(name)
+        if t is None:
+            import paddle
+
+            t = self.tensors[name] = paddle.to_tensor(np.ascontiguousarray(getattr(self, name), dtype=np.int64))
+        return t
 
     @property
     def num_seqs(self) -> int:

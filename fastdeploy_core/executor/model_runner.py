@@ -124,6 +124,19 @@ class ModelRunner:
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler()
+        self.graphs = self._decode_graphs()
+
+    def _decode_graphs(self):
+        """Decode-step graphs (``graph_opt`` settings) when on and the model declares its forward
+        capturable (only ops-table calls, nothing else with side effects); else ``None``."""
+        from fastdeploy_core.executor.decode_graph import DEFAULT_CAPTURE_SIZES, DecodeGraphs
+
+        graph_opt = self.args.graph_opt
+        if not graph_opt.enabled or not getattr(self.model, "supports_graph_capture", False):
+            return None
+        max_seqs = self.args.scheduler.max_num_seqs
+        sizes = graph_opt.cudagraph_capture_sizes or [b for b in DEFAULT_CAPTURE_SIZES if b <= max_seqs]
+        return DecodeGraphs(self.model, self.ops, self.kv_caches, sizes, self.max_model_len, self.block_size)
 
     def _resolve_model_class(self, pm):
         from fastdeploy_core.plugins import import_target
@@ -219,8 +232,11 @@ class ModelRunner:
         return [(self.device_cls.zeros(shape, "float32"), self.device_cls.zeros(shape, "float32")) for _ in range(layers)]
 
     # ---- one step --------------------------------------------------------------------------
-    def prepare_inputs(self, out: SchedulerOutput) -> ForwardMeta:
-        """Flatten the step's scheduled tokens into one ragged batch (host-side numpy)."""
+    def prepare_inputs(self, out: SchedulerOutput, host_only: bool = False) -> ForwardMeta:
+        """Flatten the step's scheduled tokens into one ragged batch (host-side numpy).
+
+        ``host_only``: ``input_ids``, ``positions``, ``slot_mapping`` and ``logits_indices`` stay
+        numpy arrays (a captured graph copies them into its own buffers)."""
         reqs = [r for r, _ in out.scheduled]
         q_lens = np.fromiter((n for _, n in out.scheduled), dtype=np.int64, count=len(reqs))
         starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs))
@@ -241,15 +257,16 @@ class ModelRunner:
             block_tables[i, : len(r.block_table)] = r.block_table
         bs = self.block_size
         slot_mapping = block_tables[row_seq, positions // bs] * bs + positions % bs
+        device = (lambda a: a) if host_only else paddle.to_tensor
         return ForwardMeta(
-            input_ids=paddle.to_tensor(input_ids),
-            positions=paddle.to_tensor(positions),
-            slot_mapping=paddle.to_tensor(slot_mapping),
+            input_ids=device(input_ids),
+            positions=device(positions),
+            slot_mapping=device(slot_mapping),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_tables=block_tables,
             block_size=bs,
-            logits_indices=paddle.to_tensor(query_start_loc[1:] - 1),
+            logits_indices=device(query_start_loc[1:] - 1),
         )
 
     @paddle.no_grad()
@@ -263,8 +280,13 @@ class ModelRunner:
         # The ops table is process-wide; another engine in this process may have installed its
         # own since (e.g. an int8-KV one), and this model's weights and caches are laid out for ours.
         set_current_ops(self.ops)
-        meta = self.prepare_inputs(out)
-        hidden = self.model.forward(meta, self.kv_caches)
+        graphs = self.graphs
+        if graphs is not None and graphs.accepts(len(out.scheduled), all(n == 1 for _, n in out.scheduled)):
+            meta = self.prepare_inputs(out, host_only=True)
+            hidden = graphs.run(meta)
+        else:
+            meta = self.prepare_inputs(out)
+            hidden = self.model.forward(meta, self.kv_caches)
         self._prompt_logprobs(out, meta, hidden)
 
         sample_rows = [i for i in range(len(out.scheduled)) if out.samples(i)]
@@ -321,4 +343,11 @@ class ModelRunner:
             "kv_cache_spec": {"num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim},
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "vocab_size": self.vocab_size,
+            "graph_capture": (
+                "off"
+                if self.graphs is None
+                else f"off: {self.graphs.disabled_reason}"
+                if self.graphs.disabled_reason
+                else f"decode batch sizes {sorted(self.graphs.capture_sizes)}"
+            ),
         }

@@ -66,11 +66,9 @@ class Int8EmbeddingMethod:
 
     def apply(self, layer, ids: paddle.Tensor) -> paddle.Tensor:
         """Rows of the table for ``ids [T]`` -> float32 ``[T, H]``."""
-        rows = paddle.gather(layer.weight, ids, axis=0).astype("float32")  # no int8 index_select on cpu
-        scale = paddle.gather(layer.weight_scale, ids, axis=0)
-        if int(scale.shape[1]) > 1:
-            scale = paddle.repeat_interleave(scale, self.group_for(layer.hidden_size), axis=1)[:, : layer.hidden_size]
-        return rows * scale
+        from fastdeploy_core.devices.current import current_ops
+
+        return current_ops().int8_embedding(ids, layer.weight, layer.weight_scale, self.group_for(layer.hidden_size))
 
     def dequantize(self, layer) -> paddle.Tensor:
         ids = paddle.arange(layer.vocab_size)

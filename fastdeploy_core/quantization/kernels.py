@@ -1,7 +1,8 @@
 """The cpu device's C++ kernels: custom ops built once per machine, loaded on first use.
 
 ``csrc/weight_only_gemm.cc`` (float32 and quantized linear layers), ``csrc/paged_attention.cc``
-(rotary + KV write, paged attention), ``csrc/rms_norm.cc`` and ``csrc/activation.cc`` (SwiGLU) are compiled with ``paddle.utils.cpp_extension`` (gcc,
+(rotary + KV write, paged attention), ``csrc/rms_norm.cc``, ``csrc/activation.cc`` (SwiGLU), ``csrc/embedding.cc`` (token lookups) and
+``csrc/graph.cc`` (captured decode steps, see ``graph.h``) are compiled with ``paddle.utils.cpp_extension`` (gcc,
 ``-O3 -march=native``, its own thread pool) into a cache directory (``$FD_KERNEL_CACHE``, default
 ``~/.cache/fastdeploy/kernels``) under a name that hashes the source, the flags, the Paddle
 version and the CPU's feature flags, so a changed source or another machine builds afresh and
@@ -34,8 +35,10 @@ SOURCES = (
     _CSRC / "rms_norm.cc",
     _CSRC / "activation.cc",
     _CSRC / "sampling.cc",
+    _CSRC / "embedding.cc",
+    _CSRC / "graph.cc",
 )
-HEADERS = (_CSRC / "thread_pool.h", _CSRC / "vector_math.h")
+HEADERS = (_CSRC / "thread_pool.h", _CSRC / "vector_math.h", _CSRC / "graph.h")
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
 LD_FLAGS = ["-pthread"]
 DISABLE_ENV = "FD_DISABLE_QUANT_KERNELS"

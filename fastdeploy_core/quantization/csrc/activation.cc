@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "graph.h"
 #include "thread_pool.h"
 #include "vector_math.h"
 
@@ -55,13 +56,15 @@ std::vector<paddle::Tensor> SiluMul(const paddle::Tensor& x_in) {
   PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32 && !x_in.shape().empty(), "silu_mul takes float32 [..., 2I]");
   const int64_t width = x_in.shape().back();
   PD_CHECK(width % 2 == 0, "the last axis (", width, ") must hold gate and up halves");
-  const paddle::Tensor x = x_in.contiguous();
-  std::vector<int64_t> shape = x.shape();
+  std::vector<int64_t> shape = x_in.shape();
   shape.back() = width / 2;
   auto out = paddle::empty(shape, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  SiluJob job{x.data<float>(), out.data<float>(), width ? x.numel() / width : 0, width / 2, 1};
-  job.rows_per_chunk = std::max<int64_t>(1, 16384 / std::max<int64_t>(job.inner, 1));
-  fd_kernels::Pool::instance().run((job.rows + job.rows_per_chunk - 1) / job.rows_per_chunk, silu_rows, &job);
+  fd_graph::run("fd_silu_mul", {&x_in}, {&out}, [x_in, out, width]() mutable {
+    const paddle::Tensor x = x_in.contiguous();
+    SiluJob job{x.data<float>(), out.data<float>(), width ? x.numel() / width : 0, width / 2, 1};
+    job.rows_per_chunk = std::max<int64_t>(1, 16384 / std::max<int64_t>(job.inner, 1));
+    fd_kernels::Pool::instance().run((job.rows + job.rows_per_chunk - 1) / job.rows_per_chunk, silu_rows, &job);
+  });
   return {out};
 }
 

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "graph.h"
 #include "thread_pool.h"
 #include "vector_math.h"
 
@@ -75,10 +76,12 @@ void check_cache(const paddle::Tensor& cache, const char* name, int64_t kvh, int
 
 }  // namespace
 
-std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle::Tensor& positions,
-                                        const paddle::Tensor& cos_sin, const paddle::Tensor& k_cache,
-                                        const paddle::Tensor& v_cache, const paddle::Tensor& slots, int64_t num_heads,
-                                        int64_t num_kv_heads) {
+namespace {
+
+// fd_rope_write_kv's shape checks; returns the head size.
+int64_t check_rope(const paddle::Tensor& qkv, const paddle::Tensor& positions, const paddle::Tensor& cos_sin,
+                   const paddle::Tensor& k_cache, const paddle::Tensor& v_cache, const paddle::Tensor& slots,
+                   int64_t num_heads, int64_t num_kv_heads) {
   PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32 && qkv.shape().size() == 2, "qkv must be float32 [T, (h + 2 kvh) * d]");
   PD_CHECK(num_heads > 0 && num_kv_heads > 0, "head counts must be positive");
   const int64_t T = qkv.shape()[0], width = qkv.shape()[1], heads = num_heads + 2 * num_kv_heads;
@@ -92,14 +95,20 @@ std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle:
   PD_CHECK(slots.dtype() == paddle::DataType::INT64 && slots.numel() == T, "slots must be int64 [T]");
   check_cache(k_cache, "k_cache", num_kv_heads, d);
   check_cache(v_cache, "v_cache", num_kv_heads, d);
+  return d;
+}
+
+// Rotary embedding of Q into q_out ([T, h, d]) and of K into the cache, V copied to the cache.
+void rope_write_kv_into(const paddle::Tensor& qkv, const paddle::Tensor& positions, const paddle::Tensor& cos_sin,
+                        const paddle::Tensor& k_cache, const paddle::Tensor& v_cache, const paddle::Tensor& slots,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t d, float* qp) {
+  const int64_t T = qkv.shape()[0], width = qkv.shape()[1];
   const int64_t num_slots = k_cache.shape()[0] * k_cache.shape()[1], max_pos = cos_sin.shape()[0];
   const paddle::Tensor x = qkv.contiguous();
-  auto q_out = paddle::empty({T, num_heads, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   const float* xp = x.data<float>();
   const float* table = cos_sin.data<float>();
   const int64_t* pos = positions.data<int64_t>();
   const int64_t* slot = slots.data<int64_t>();
-  float* qp = q_out.data<float>();
   float* kc = const_cast<float*>(k_cache.data<float>());  // in place: see the file comment
   float* vc = const_cast<float*>(v_cache.data<float>());
   for (int64_t t = 0; t < T; ++t) {
@@ -114,6 +123,21 @@ std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle:
     for (int64_t g = 0; g < num_kv_heads; ++g) rotate(row + (num_heads + g) * d, cos, sin, k_dst + g * d, d);
     std::memcpy(v_dst, row + (num_heads + num_kv_heads) * d, num_kv_heads * d * sizeof(float));
   }
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle::Tensor& positions,
+                                        const paddle::Tensor& cos_sin, const paddle::Tensor& k_cache,
+                                        const paddle::Tensor& v_cache, const paddle::Tensor& slots, int64_t num_heads,
+                                        int64_t num_kv_heads) {
+  const int64_t d = check_rope(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads);
+  auto q_out = paddle::empty({qkv.shape()[0], num_heads, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fd_graph::run("fd_rope_write_kv", {&qkv, &positions, &cos_sin, &k_cache, &v_cache, &slots}, {&q_out},
+                [=]() mutable {
+                  rope_write_kv_into(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads, d,
+                                     q_out.data<float>());
+                });
   return {q_out};
 }
 
@@ -464,8 +488,11 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
                                            float scale, int64_t sliding_window) {
   PD_CHECK(q.shape().size() == 3, "q must be float32 [T, h, d]");
   auto out = paddle::empty(q.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
-  paged_attention_into(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, sliding_window,
-                       out.data<float>());
+  fd_graph::run("fd_paged_attention", {&q, &k_cache, &v_cache, &query_start, &seq_lens, &block_tables}, {&out},
+                [=]() mutable {
+                  paged_attention_into(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
+                                       sliding_window, out.data<float>());
+                });
   return {out};
 }
 
@@ -478,10 +505,18 @@ std::vector<paddle::Tensor> RopePagedAttention(const paddle::Tensor& qkv, const 
                                                const paddle::Tensor& query_start, const paddle::Tensor& seq_lens,
                                                const paddle::Tensor& block_tables, int64_t num_heads,
                                                int64_t num_kv_heads, float scale, int64_t sliding_window) {
-  const paddle::Tensor q = RopeWriteKv(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads)[0];
-  auto out = paddle::empty({q.shape()[0], q.shape()[1] * q.shape()[2]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  paged_attention_into(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, sliding_window,
-                       out.data<float>());
+  const int64_t d = check_rope(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads);
+  const int64_t T = qkv.shape()[0];
+  auto q = paddle::empty({T, num_heads, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = paddle::empty({T, num_heads * d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fd_graph::run("fd_rope_paged_attention",
+                {&qkv, &positions, &cos_sin, &k_cache, &v_cache, &slots, &query_start, &seq_lens, &block_tables},
+                {&q, &out}, [=]() mutable {
+                  rope_write_kv_into(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads, d,
+                                     q.data<float>());
+                  paged_attention_into(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
+                                       sliding_window, out.data<float>());
+                });
   return {out};
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "graph.h"
 #include "thread_pool.h"
 #include "vector_math.h"
 
@@ -93,12 +94,14 @@ void run(NormJob* job) {
 
 std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x_in, const paddle::Tensor& weight, float eps) {
   check(x_in, weight);
-  const paddle::Tensor x = x_in.contiguous();
-  auto out = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
-  const int64_t H = x.shape().back();
-  NormJob job{x.data<float>(), nullptr, weight.data<float>(), out.data<float>(), nullptr, H ? x.numel() / H : 0, H, 1,
-              eps};
-  run(&job);
+  auto out = paddle::empty(x_in.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fd_graph::run("fd_rms_norm", {&x_in, &weight}, {&out}, [x_in, weight, out, eps]() mutable {
+    const paddle::Tensor x = x_in.contiguous();
+    const int64_t H = x.shape().back();
+    NormJob job{x.data<float>(), nullptr, weight.data<float>(), out.data<float>(), nullptr, H ? x.numel() / H : 0, H,
+                1, eps};
+    run(&job);
+  });
   return {out};
 }
 
@@ -107,14 +110,17 @@ std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x_in, const paddle:
   check(x_in, weight);
   PD_CHECK(residual_in.shape() == x_in.shape() && residual_in.dtype() == paddle::DataType::FLOAT32,
            "residual must be float32 shaped like x");
-  const paddle::Tensor x = x_in.contiguous();
-  const paddle::Tensor residual = residual_in.contiguous();
-  auto out = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
-  auto sum = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
-  const int64_t H = x.shape().back();
-  NormJob job{x.data<float>(), residual.data<float>(), weight.data<float>(), out.data<float>(), sum.data<float>(),
-              H ? x.numel() / H : 0, H, 1, eps};
-  run(&job);
+  auto out = paddle::empty(x_in.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto sum = paddle::empty(x_in.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fd_graph::run("fd_add_rms_norm", {&x_in, &residual_in, &weight}, {&out, &sum},
+                [x_in, residual_in, weight, out, sum, eps]() mutable {
+                  const paddle::Tensor x = x_in.contiguous();
+                  const paddle::Tensor residual = residual_in.contiguous();
+                  const int64_t H = x.shape().back();
+                  NormJob job{x.data<float>(), residual.data<float>(), weight.data<float>(), out.data<float>(),
+                              sum.data<float>(), H ? x.numel() / H : 0, H, 1, eps};
+                  run(&job);
+                });
   return {out, sum};
 }
 

@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "graph.h"
 #include "thread_pool.h"
 
 namespace {
@@ -811,80 +812,82 @@ std::vector<paddle::Tensor> run_int4_vnni(const paddle::Tensor& x_in, const padd
   PD_CHECK(offset.shape() == scale.shape() && offset.dtype() == scale.dtype(),
            "offset must be shaped and typed like scale");
   const int64_t s_tile = tiled_scale ? G * kCols : kCols, s_group = tiled_scale ? kCols : N;
-  const paddle::Tensor x = x_in.contiguous();
-  const int64_t M = K > 0 ? x.numel() / K : 0;
-  auto out = paddle::empty(out_shape(x.shape(), N), paddle::DataType::FLOAT32, paddle::CPUPlace());
-  const float* xp = x.data<float>();
-  float* y = out.data<float>();
-  const uint8_t* w = static_cast<const uint8_t*>(weight.data());
-  std::vector<float> xq, row_scale;
-  if (act_int8) {
-    xq.resize(M * K);
-    row_scale.resize(M);
-    quantize_rows(xp, M, K, xq.data(), row_scale.data());
-    xp = xq.data();
-  }
-  const int64_t block = act_int8 ? (group_size % kVnniChunk == 0 ? group_size : 0) : vnni_block(group_size);
-  if (!kHaveVnni || block == 0 || M == 0) {
-    vnni_layout_scalar(xp, M, K, N, w, scale.data(), offset.data(), half, s_tile, s_group, G, group_size, y);
-  } else {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (group_size % 32 == 0 && K % 32 == 0) {  // ~3-8% faster than the general loop below
-      const int64_t NB = K / 32;
-      std::vector<int8_t> panel(NB * M * 64);
-      std::vector<float> meta(NB * M * 4);
-      vnni32_panel(xp, M, K, act_int8, panel.data(), meta.data());
-      Vnni32 p{M, K, group_size / 32, w, scale.data(), offset.data(), half, s_tile, s_group, panel.data(), meta.data(),
-               y, N};
-      {
-        // Work items of consecutive tiles, ~4 per core: each thread then streams (and
-        // prefetches) contiguous weights. Single tiles interleaved the two threads' streams:
-        // 120 calls at M = 1, 2 threads: 3.84 -> 3.36-3.48 ms (per-call tiles / 2, 4, 8 items).
-        static const int64_t items = 4 * std::max<int64_t>(1, std::thread::hardware_concurrency());
-        const int64_t tiles = N / kCols;
-        p.per_chunk = std::max<int64_t>(1, (tiles + items - 1) / items);
-      }
-      if (act_int8)
-        vnni32_gemm<1>(p);
-      else
-        vnni32_gemm<2>(p);
-      for (int64_t m = 0; act_int8 && m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) y[m * N + n] *= row_scale[m];
-      return {out};
-    }
-    const int64_t NB = (K + block - 1) / block;
-    std::vector<float> xsum(M * G, 0.f), bscale;
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t ke = std::min(K, (g + 1) * group_size);
-        int64_t k = g * group_size;
-        __m512 acc = _mm512_setzero_ps();
-        for (; k + 16 <= ke; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(xp + m * K + k));
-        float s = _mm512_reduce_add_ps(acc);
-        for (; k < ke; ++k) s += xp[m * K + k];
-        xsum[m * G + g] = s;
-      }
-    std::vector<int8_t> xlo(M * K), xhi;
-    std::vector<int32_t> bsum8;
+  auto out = paddle::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fd_graph::run("fd_int4_linear", {&x_in, &weight, &scale, &offset}, {&out}, [=]() mutable {
+    const paddle::Tensor x = x_in.contiguous();
+    const int64_t M = K > 0 ? x.numel() / K : 0;
+    const float* xp = x.data<float>();
+    float* y = out.data<float>();
+    const uint8_t* w = static_cast<const uint8_t*>(weight.data());
+    std::vector<float> xq, row_scale;
     if (act_int8) {
-      for (int64_t i = 0; i < M * K; ++i) xlo[i] = static_cast<int8_t>(xp[i]);
-    } else {
-      xhi.resize(M * K);
-      bscale.resize(M * NB);
-      bsum8.resize(M * NB);
-      split_rows_16bit(xp, M, K, block, NB, xhi.data(), xlo.data(), bscale.data(), bsum8.data());
+      xq.resize(M * K);
+      row_scale.resize(M);
+      quantize_rows(xp, M, K, xq.data(), row_scale.data());
+      xp = xq.data();
     }
-    VnniProblem p{M, K, N, G, group_size, block, NB, w, scale.data(), offset.data(), half, s_tile, s_group,
-                  act_int8 ? nullptr : xhi.data(), xlo.data(), act_int8 ? nullptr : bscale.data(), act_int8 ? nullptr : bsum8.data(), xsum.data(), y};
-    if (act_int8)
-      vnni_gemm<1>(p);
-    else
-      vnni_gemm<2>(p);
+    const int64_t block = act_int8 ? (group_size % kVnniChunk == 0 ? group_size : 0) : vnni_block(group_size);
+    if (!kHaveVnni || block == 0 || M == 0) {
+      vnni_layout_scalar(xp, M, K, N, w, scale.data(), offset.data(), half, s_tile, s_group, G, group_size, y);
+    } else {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (group_size % 32 == 0 && K % 32 == 0) {  // ~3-8% faster than the general loop below
+        const int64_t NB = K / 32;
+        std::vector<int8_t> panel(NB * M * 64);
+        std::vector<float> meta(NB * M * 4);
+        vnni32_panel(xp, M, K, act_int8, panel.data(), meta.data());
+        Vnni32 p{M, K, group_size / 32, w, scale.data(), offset.data(), half, s_tile, s_group, panel.data(), meta.data(),
+                 y, N};
+        {
+          // Work items of consecutive tiles, ~4 per core: each thread then streams (and
+          // prefetches) contiguous weights. Single tiles interleaved the two threads' streams:
+          // 120 calls at M = 1, 2 threads: 3.84 -> 3.36-3.48 ms (per-call tiles / 2, 4, 8 items).
+          static const int64_t items = 4 * std::max<int64_t>(1, std::thread::hardware_concurrency());
+          const int64_t tiles = N / kCols;
+          p.per_chunk = std::max<int64_t>(1, (tiles + items - 1) / items);
+        }
+        if (act_int8)
+          vnni32_gemm<1>(p);
+        else
+          vnni32_gemm<2>(p);
+        for (int64_t m = 0; act_int8 && m < M; ++m)
+          for (int64_t n = 0; n < N; ++n) y[m * N + n] *= row_scale[m];
+        return;
+      }
+      const int64_t NB = (K + block - 1) / block;
+      std::vector<float> xsum(M * G, 0.f), bscale;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t ke = std::min(K, (g + 1) * group_size);
+          int64_t k = g * group_size;
+          __m512 acc = _mm512_setzero_ps();
+          for (; k + 16 <= ke; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(xp + m * K + k));
+          float s = _mm512_reduce_add_ps(acc);
+          for (; k < ke; ++k) s += xp[m * K + k];
+          xsum[m * G + g] = s;
+        }
+      std::vector<int8_t> xlo(M * K), xhi;
+      std::vector<int32_t> bsum8;
+      if (act_int8) {
+        for (int64_t i = 0; i < M * K; ++i) xlo[i] = static_cast<int8_t>(xp[i]);
+      } else {
+        xhi.resize(M * K);
+        bscale.resize(M * NB);
+        bsum8.resize(M * NB);
+        split_rows_16bit(xp, M, K, block, NB, xhi.data(), xlo.data(), bscale.data(), bsum8.data());
+      }
+      VnniProblem p{M, K, N, G, group_size, block, NB, w, scale.data(), offset.data(), half, s_tile, s_group,
+                    act_int8 ? nullptr : xhi.data(), xlo.data(), act_int8 ? nullptr : bscale.data(), act_int8 ? nullptr : bsum8.data(), xsum.data(), y};
+      if (act_int8)
+        vnni_gemm<1>(p);
+      else
+        vnni_gemm<2>(p);
 #endif
-  }
-  if (act_int8)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) y[m * N + n] *= row_scale[m];
+    }
+    if (act_int8)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) y[m * N + n] *= row_scale[m];
+  });
   return {out};
 }
 
@@ -926,36 +929,41 @@ std::vector<paddle::Tensor> run(const paddle::Tensor& x_in, const paddle::Tensor
   if (offset != nullptr)
     PD_CHECK(offset->shape() == scale.shape() && offset->dtype() == paddle::DataType::FLOAT32,
              "offset must be float32 shaped like scale");
-  const paddle::Tensor x = x_in.contiguous();
-  const int64_t M = K > 0 ? x.numel() / K : 0;
-  auto out = paddle::empty(out_shape(x.shape(), N), paddle::DataType::FLOAT32, paddle::CPUPlace());
-  std::vector<float> xq, row_scale;
-  const float* xp = x.data<float>();
-  if (act_int8) {
-    xq.resize(M * K);
-    row_scale.resize(M);
-    quantize_rows(xp, M, K, xq.data(), row_scale.data());
-    xp = xq.data();
-  }
-  Problem p{xp,
-            M,
-            K,
-            N,
-            static_cast<const uint8_t*>(weight.data()),
-            scale.data<float>(),
-            offset != nullptr ? offset->data<float>() : nullptr,
-            nullptr,
-            G,
-            group_size,
-            out.data<float>(),
-            row_bytes,
-            tile_bytes};
-  gemm<KIND>(p);
-  if (act_int8) {
-    float* y = out.data<float>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) y[m * N + n] *= row_scale[m];
-  }
+  auto out = paddle::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const bool has_offset = offset != nullptr;
+  const paddle::Tensor offset_t = has_offset ? *offset : paddle::Tensor();
+  const char* op = KIND == Kind::kInt8 ? "fd_int8_linear" : KIND == Kind::kInt4 ? "fd_int4_linear" : "fd_fp8_linear";
+  fd_graph::run(op, {&x_in, &weight, &scale, &offset_t}, {&out}, [=]() mutable {
+    const paddle::Tensor x = x_in.contiguous();
+    const int64_t M = K > 0 ? x.numel() / K : 0;
+    std::vector<float> xq, row_scale;
+    const float* xp = x.data<float>();
+    if (act_int8) {
+      xq.resize(M * K);
+      row_scale.resize(M);
+      quantize_rows(xp, M, K, xq.data(), row_scale.data());
+      xp = xq.data();
+    }
+    Problem p{xp,
+              M,
+              K,
+              N,
+              static_cast<const uint8_t*>(weight.data()),
+              scale.data<float>(),
+              has_offset ? offset_t.data<float>() : nullptr,
+              nullptr,
+              G,
+              group_size,
+              out.data<float>(),
+              row_bytes,
+              tile_bytes};
+    gemm<KIND>(p);
+    if (act_int8) {
+      float* y = out.data<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) y[m * N + n] *= row_scale[m];
+    }
+  });
   return {out};
 }
 
@@ -991,12 +999,14 @@ std::vector<paddle::Tensor> F32Linear(const paddle::Tensor& x_in, const paddle::
   int64_t K, N, row_bytes, tile_bytes;
   weight_layout<Kind::kF32>(weight, &K, &N, &row_bytes, &tile_bytes);
   PD_CHECK(x_in.shape().back() == K, "x's last axis (", x_in.shape().back(), ") must equal the weight's K (", K, ")");
-  const paddle::Tensor x = x_in.contiguous();
-  const int64_t M = K > 0 ? x.numel() / K : 0;
-  auto out = paddle::empty(out_shape(x.shape(), N), paddle::DataType::FLOAT32, paddle::CPUPlace());
-  Problem p{x.data<float>(), M, K, N, static_cast<const uint8_t*>(weight.data()), nullptr, nullptr, nullptr, 1,
-            std::max<int64_t>(K, 1), out.data<float>(), row_bytes, tile_bytes};
-  gemm<Kind::kF32>(p);
+  auto out = paddle::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  fd_graph::run("fd_f32_linear", {&x_in, &weight}, {&out}, [=]() mutable {
+    const paddle::Tensor x = x_in.contiguous();
+    const int64_t M = K > 0 ? x.numel() / K : 0;
+    Problem p{x.data<float>(), M, K, N, static_cast<const uint8_t*>(weight.data()), nullptr, nullptr, nullptr, 1,
+              std::max<int64_t>(K, 1), out.data<float>(), row_bytes, tile_bytes};
+    gemm<Kind::kF32>(p);
+  });
   return {out};
 }
 

@@ -174,6 +174,9 @@ class LlamaForCausalLM(nn.Layer):
     }
     #: checkpoint tensors that carry nothing this implementation needs
     ignored_weight_suffixes = ("rotary_emb.inv_freq",)
+    #: The forward is ops-table calls only (no Paddle op with a side effect of its own), so a
+    #: decode step may be captured and replayed (see fastdeploy_core/executor/decode_graph.py).
+    supports_graph_capture = True
 
     def __init__(self, hf_config: dict, quant_config=None):
         super().__init__()

@@ -1,0 +1,165 @@
+"""Captured decode steps: a decode-only batch of B sequences recorded once per B and replayed.
+
+A decode step runs the same ops on the same shapes every time; only the data differ (token
+ids, positions, KV slots, block tables, sequence lengths). Each batch size in the capture list
+gets static input buffers and a meta built on them; the first decode step of that size runs
+the model's forward through :meth:`ReferenceOps.capture_graph` (the ops table records what it
+can), and later steps of that size copy their inputs into the buffers and replay, skipping the
+Python layers and the framework's per-op dispatch (on the cpu kernels ~2 ms of a ~8 ms int4
+batch-1 step). Prompt steps, mixed steps and sizes outside the list run eagerly.
+
+When a capture is refused (the device does not capture, or the forward used an op that cannot
+be recorded) the reason is logged once and every later step runs eagerly; the refused capture's
+own output is still the step's result. Released graphs free their intermediate buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import paddle
+
+from fastdeploy_core.executor.forward_meta import ForwardMeta
+
+logger = logging.getLogger(__name__)
+
+#: Batch sizes captured when the configuration names none (those above max_num_seqs dropped).
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class _StaticInput:
+    """An int64 tensor whose buffer stays put: on a host device it shares memory with a numpy
+    array (refreshing it is a numpy copy), elsewhere it is refreshed with ``set_value``."""
+
+    def __init__(self, shape: tuple[int, ...], on_host: bool):
+        if on_host:
+            self.host = np.zeros(shape, dtype=np.int64)
+            self.tensor = paddle.utils.dlpack.from_dlpack(self.host)
+        else:
+            self.host = None
+            self.tensor = paddle.zeros(list(shape), dtype="int64")
+
+    def write(self, array: np.ndarray) -> None:
+        if self.host is not None:
+            np.copyto(self.host, array, casting="unsafe")
+        else:
+            self.tensor.set_value(np.asarray(array, dtype=np.int64))
+
+
+class _Graph:
+    """One batch size: its static inputs, the meta built on them, and the captured forward."""
+
+    def __init__(self, batch: int, table_width: int, block_size: int, on_host: bool):
+        self.batch = batch
+        self.ids = _StaticInput((batch,), on_host)
+        self.positions = _StaticInput((batch,), on_host)
+        self.slots = _StaticInput((batch,), on_host)
+        self.query_start = _StaticInput((batch + 1,), on_host)
+        self.seq_lens = _StaticInput((batch,), on_host)
+        self.tables = _StaticInput((batch, table_width), on_host)
+        self._tables_host = np.zeros((batch, table_width), dtype=np.int64)
+        self.query_start.write(np.arange(batch + 1))
+        self._seq_lens_host = np.zeros(batch, dtype=np.int64)
+        self.meta = ForwardMeta(
+            input_ids=self.ids.tensor,
+            positions=self.positions.tensor,
+            slot_mapping=self.slots.tensor,
+            query_start_loc=np.arange(batch + 1, dtype=np.int64),
+            seq_lens=self._seq_lens_host,
+            block_tables=self._tables_host,
+            block_size=block_size,
+            logits_indices=paddle.arange(batch, dtype="int64"),
+            tensors={
+                "query_start_loc": self.query_start.tensor,
+                "seq_lens": self.seq_lens.tensor,
+                "block_tables": self.tables.tensor,
+            },
+        )
+        self.captured = None
+
+    def static_tensors(self) -> list:
+        return [s.tensor for s in (self.ids, self.positions, self.slots, self.query_start, self.seq_lens, self.tables)]
+
+    def load(self, meta: ForwardMeta) -> None:
+        """Copy a decode step's inputs (host arrays in ``meta``) into the static buffers."""
+        self.ids.write(meta.input_ids)
+        self.positions.write(meta.positions)
+        self.slots.write(meta.slot_mapping)
+        self._seq_lens_host[:] = meta.seq_lens
+        self.seq_lens.write(self._seq_lens_host)
+        width = meta.block_tables.shape[1]
+        self._tables_host[:, :width] = meta.block_tables
+        self._tables_host[:, width:] = 0
+        self.tables.write(self._tables_host)
+
+
+class DecodeGraphs:
+    """Decode-step graphs by batch size for one model, its KV caches and its ops table."""
+
+    def __init__(self, model, ops, kv_caches, capture_sizes, max_model_len: int, block_size: int):
+        self.model = model
+        self.ops = ops
+        self.kv_caches = kv_caches
+        self.capture_sizes = frozenset(int(b) for b in capture_sizes)
+        self.block_size = block_size
+        self.table_width = -(-max_model_len // block_size)
+        first_cache = _flatten(kv_caches)[:1]
+        self.on_host = bool(first_cache) and first_cache[0].place.is_cpu_place()
+        self.disabled_reason: str | None = None
+        self._graphs: dict[int, _Graph] = {}
+        self._weights: list | None = None
+
+    def accepts(self, num_seqs: int, decode_only: bool) -> bool:
+        """Whether :meth:`run` takes a step of ``num_seqs`` sequences (then its meta may hold host arrays)."""
+        return decode_only and self.disabled_reason is None and num_seqs in self.capture_sizes
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(b for b, g in self._graphs.items() if g.captured is not None)
+
+    def run(self, meta: ForwardMeta):
+        """The step's hidden states ``[B, H]`` (the graph's output tensor: read it before the next step).
+
+        ``meta`` holds host (numpy) arrays for ``input_ids``, ``positions`` and ``slot_mapping``.
+        """
+        batch = meta.num_seqs
+        graph = self._graphs.get(batch)
+        if graph is None:
+            graph = self._graphs[batch] = _Graph(batch, self.table_width, self.block_size, self.on_host)
+            graph.load(meta)
+            return self._capture(graph)
+        graph.load(meta)
+        return graph.captured.replay()
+
+    def _capture(self, graph: _Graph):
+        if self._weights is None:
+            self._weights = list(self.model.parameters()) + list(self.model.buffers()) + _flatten(self.kv_caches)
+        captured = self.ops.capture_graph(
+            lambda: self.model.forward(graph.meta, self.kv_caches), self._weights + graph.static_tensors()
+        )
+        if not captured.ok:
+            self.disabled_reason = captured.reason
+            logger.warning("decode steps run eagerly: capturing one was refused (%s)", captured.reason)
+            self.release()
+            return captured.output
+        graph.captured = captured
+        logger.info("captured the decode step of batch size %d", graph.batch)
+        return captured.output
+
+    def release(self) -> None:
+        """Free every captured graph (their buffers); later steps capture again."""
+        for graph in self._graphs.values():
+            if graph.captured is not None:
+                graph.captured.release()
+        self._graphs.clear()
+
+
+def _flatten(items) -> list:
+    out: list = []
+    for item in items:
+        if isinstance(item, (list, tuple)):
+            out.extend(_flatten(item))
+        elif isinstance(item, paddle.Tensor):
+            out.append(item)
+    return out
