@@ -30,6 +30,12 @@ from fastdeploy_core.quantization.weight_only import int4_linear_reference, int8
 _run = _C_ops._run_custom_op  # the op must be registered: load_kernels() ran first (see _ready)
 
 
+def _kernel_message(exc: Exception) -> str:
+    """A kernel's PD_CHECK message without the source location Paddle appends."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip() and not line.strip().startswith("[/")]
+    return " ".join(lines)[:500] or type(exc).__name__
+
+
 class CpuQuantOps:
     """Quantized linear ops backed by ``csrc/weight_only_gemm.cc`` (mixed into an ops table).
 
@@ -155,7 +161,7 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         try:
             handle = _run("fd_graph_end", output)[0]
         except Exception as exc:  # noqa: BLE001 - the recording is refused; the output stands
-            return CapturedGraph(output, None, str(exc).strip().splitlines()[-1][:500])
+            return CapturedGraph(output, None, _kernel_message(exc))
         return CapturedGraph(
             output, lambda: _run("fd_graph_replay", handle), release_fn=lambda: _run("fd_graph_release", handle)
         )

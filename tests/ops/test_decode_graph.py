@@ -1,0 +1,247 @@
+"""Captured decode steps (csrc/graph.h, executor/decode_graph.py) against the eager forward.
+
+A graph replays the kernels' computations on the buffers they had at capture: replayed steps
+must give bit-identical hidden states and KV caches to eager steps over the same inputs, as
+block tables grow and sequences move on; a capture that would miss work (an op that is not a
+kernel, an undeclared input, an output not written by a kernel) must be refused, never replayed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.devices.cpu import CpuDevice
+from fastdeploy_core.devices.current import set_current_ops
+from fastdeploy_core.devices.reference_ops import ReferenceOps
+from fastdeploy_core.errors import ConfigError
+from fastdeploy_core.executor.decode_graph import DecodeGraphs
+from fastdeploy_core.quantization.kernels import load_kernels
+from fastdeploy_core.quantization.registry import resolve_quantization
+from fastdeploy_core.testing.batches import build_meta
+
+fd_llama = pytest.importorskip("fd_llama.llama")
+
+BLOCK = 4
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if load_kernels() is None:
+        pytest.skip("the cpu kernels cannot be built here")
+    return CpuDevice.make_ops()
+
+
+@pytest.fixture(autouse=True)
+def _ops_installed(ops, restore_ops):
+    set_current_ops(ops)
+
+
+def _weights(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    c = CONFIG
+    h, inter, d = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * d
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    out = [("model.embed_tokens.weight", w(c["vocab_size"], h)), ("model.norm.weight", 1 + w(h))]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "self_attn.q_proj.weight", w(h, h)),
+            (p + "self_attn.k_proj.weight", w(kv, h)),
+            (p + "self_attn.v_proj.weight", w(kv, h)),
+            (p + "self_attn.o_proj.weight", w(h, h)),
+            (p + "mlp.gate_proj.weight", w(inter, h)),
+            (p + "mlp.up_proj.weight", w(inter, h)),
+            (p + "mlp.down_proj.weight", w(h, inter)),
+            (p + "input_layernorm.weight", 1 + w(h)),
+            (p + "post_attention_layernorm.weight", 1 + w(h)),
+        ]
+    return out
+
+
+def _model(method: str | None):
+    quant = None if method is None else resolve_quantization(method, device=CpuDevice, hf_config=CONFIG)
+    model = fd_llama.LlamaForCausalLM(dict(CONFIG), quant_config=quant)
+    model.eval()
+    model.load_weights(_weights())
+    return model
+
+
+def _caches(model, num_blocks: int = 24):
+    layers, kvh, d = model.kv_cache_spec()
+    return [(paddle.zeros([num_blocks, BLOCK, kvh, d]), paddle.zeros([num_blocks, BLOCK, kvh, d])) for _ in range(layers)]
+
+
+def _host(meta):
+    """The runner's ``host_only`` meta: numpy inputs."""
+    for name in ("input_ids", "positions", "slot_mapping", "logits_indices"):
+        setattr(meta, name, getattr(meta, name).numpy())
+    return meta
+
+
+@pytest.mark.parametrize("method", [None, "wint8", '{"quantization": "wint4", "group_size": 32}'])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_replayed_steps_equal_eager_steps_bitwise(ops, method, batch):
+    model = _model(method)
+    eager_caches, graph_caches = _caches(model), _caches(model)
+    rng = np.random.default_rng(batch)
+    prompts = [list(rng.integers(0, 96, size=3 + 2 * b)) for b in range(batch)]  # lengths 3, 5, 7
+    tables = [[7 * b + 1 + i for i in range(7)] for b in range(batch)]  # scrambled, non-contiguous
+    graphs = DecodeGraphs(model, ops, graph_caches, [batch], max_model_len=28, block_size=BLOCK)
+    with paddle.no_grad():
+        prefill = [(p, 0, t[: -(-len(p) // BLOCK)]) for p, t in zip(prompts, tables)]
+        model(build_meta(prefill, BLOCK), eager_caches)
+        model(build_meta(prefill, BLOCK), graph_caches)
+        lengths = [len(p) for p in prompts]
+        for step in range(7):  # crosses block boundaries: the tables grow between steps
+            chunks = [
+                ([int(rng.integers(0, 96))], n, t[: n // BLOCK + 1]) for n, t in zip(lengths, tables)
+            ]
+            eager = model(build_meta(chunks, BLOCK), eager_caches).numpy()
+            replayed = graphs.run(_host(build_meta(chunks, BLOCK))).numpy()
+            assert graphs.captured_sizes == [batch], graphs.disabled_reason
+            np.testing.assert_array_equal(replayed, eager, err_msg=f"step {step}")
+            lengths = [n + 1 for n in lengths]
+    for (ek, ev), (gk, gv) in zip(eager_caches, graph_caches):
+        np.testing.assert_array_equal(gk.numpy(), ek.numpy())
+        np.testing.assert_array_equal(gv.numpy(), ev.numpy())
+
+
+def test_replay_reads_refreshed_inputs_and_kernel_bound_checks_still_fire(ops):
+    weight = paddle.to_tensor(np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32))
+    table = paddle.to_tensor(np.arange(40, dtype=np.float32).reshape(10, 4))
+    ids_host = np.array([1, 2, 3], dtype=np.int64)
+    ids = paddle.utils.dlpack.from_dlpack(ids_host)
+    graph = ops.capture_graph(lambda: ops.rms_norm(ops.embedding(ids, table), weight, 1e-6), [table, weight, ids])
+    assert graph.ok, graph.reason
+    first = graph.output.numpy().copy()
+    ids_host[:] = [9, 0, 4]
+    out = graph.replay().numpy()
+    expected = ReferenceOps.rms_norm(ops, paddle.index_select(table, paddle.to_tensor(ids_host)), weight, 1e-6)
+    np.testing.assert_allclose(out, expected.numpy(), rtol=1e-6)
+    assert not np.array_equal(out, first)
+    ids_host[1] = 10  # outside the table: the replayed kernel checks the data it reads
+    with pytest.raises(Exception, match="outside the vocabulary of 10"):
+        graph.replay()
+    graph.release()
+    with pytest.raises(RuntimeError, match="cannot be replayed"):
+        graph.replay()
+
+
+def test_capture_is_refused_when_a_paddle_op_feeds_a_kernel(ops):
+    x = paddle.to_tensor(np.ones((2, 4), dtype=np.float32))
+    weight = paddle.ones([4])
+    graph = ops.capture_graph(lambda: ops.rms_norm(paddle.exp(x), weight, 1e-6), [x, weight])
+    assert not graph.ok
+    assert "fd_rms_norm read a tensor that is neither declared static" in graph.reason
+    np.testing.assert_allclose(graph.output.numpy(), np.ones((2, 4)), rtol=1e-6)  # the step's result stands
+    with pytest.raises(RuntimeError, match="cannot be replayed"):
+        graph.replay()
+    again = ops.capture_graph(lambda: ops.rms_norm(x, weight, 1e-6), [x, weight])  # the recorder was reset
+    assert again.ok, again.reason
+    again.release()
+
+
+def test_capture_is_refused_for_an_undeclared_input_or_a_result_no_kernel_wrote(ops):
+    x = paddle.to_tensor(np.ones((2, 4), dtype=np.float32))
+    weight = paddle.ones([4])
+    undeclared = ops.capture_graph(lambda: ops.rms_norm(x, weight, 1e-6), [x])
+    assert not undeclared.ok and "neither declared static" in undeclared.reason
+    not_written = ops.capture_graph(lambda: ops.rms_norm(x, weight, 1e-6) * 2, [x, weight])
+    assert not not_written.ok and "was not written by an op of this library" in not_written.reason
+    nothing = ops.capture_graph(lambda: x * 2, [x])
+    assert not nothing.ok and "ran no op of this library" in nothing.reason
+
+
+def test_an_error_inside_the_captured_forward_propagates_and_resets_the_recorder(ops):
+    x = paddle.to_tensor(np.ones((2, 4), dtype=np.float32))
+    weight = paddle.ones([4])
+
+    def broken():
+        ops.rms_norm(x, weight, 1e-6)
+        raise ValueError("model bug")
+
+    with pytest.raises(ValueError, match="model bug"):
+        ops.capture_graph(broken, [x, weight])
+    graph = ops.capture_graph(lambda: ops.rms_norm(x, weight, 1e-6), [x, weight])
+    assert graph.ok, graph.reason
+    graph.release()
+
+
+def test_reference_ops_capture_nothing_and_return_the_output():
+    ref = ReferenceOps()
+    x = paddle.ones([2, 4])
+    graph = ref.capture_graph(lambda: x + 1, [x])
+    assert not graph.ok and "does not capture" in graph.reason
+    np.testing.assert_array_equal(graph.output.numpy(), np.full((2, 4), 2, dtype=np.float32))
+
+
+def test_a_refused_capture_turns_the_graphs_off_and_the_step_result_stands(ops):
+    model = _model(None)
+    caches = _caches(model)
+
+    class PaddleOpOps(type(ops)):
+        def silu_and_mul(self, x):  # a plain Paddle formula inside the forward
+            return ReferenceOps.silu_and_mul(self, x)
+
+    mixed = PaddleOpOps()
+    set_current_ops(mixed)
+    graphs = DecodeGraphs(model, mixed, caches, [1], max_model_len=28, block_size=BLOCK)
+    with paddle.no_grad():
+        model(build_meta([([1, 2, 3], 0, [0])], BLOCK), caches)
+        meta = build_meta([([4], 3, [0])], BLOCK)
+        hidden = graphs.run(_host(build_meta([([4], 3, [0])], BLOCK))).numpy()
+    assert graphs.disabled_reason and "fd_f32_linear read a tensor" in graphs.disabled_reason
+    assert not graphs.accepts(1, True)
+    assert graphs.captured_sizes == []
+    other = _caches(model)
+    with paddle.no_grad():
+        model(build_meta([([1, 2, 3], 0, [0])], BLOCK), other)
+        np.testing.assert_array_equal(hidden, model(meta, other).numpy())
+
+
+def test_embedding_kernels_equal_the_reference(ops):
+    rng = np.random.default_rng(3)
+    table = paddle.to_tensor(rng.standard_normal((50, 40)).astype(np.float32))
+    ids = paddle.to_tensor(np.array([0, 49, 7, 7, 23], dtype=np.int64))
+    np.testing.assert_array_equal(ops.embedding(ids, table).numpy(), ReferenceOps.embedding(ops, ids, table).numpy())
+    q = paddle.to_tensor(rng.integers(-127, 128, size=(50, 40)).astype(np.int8))
+    for group in (40, 16):  # one scale per row; groups of 16 (the last one short)
+        scale = paddle.to_tensor(rng.random((50, -(-40 // group))).astype(np.float32))
+        got = ops.int8_embedding(ids, q, scale, group).numpy()
+        np.testing.assert_array_equal(got, ReferenceOps.int8_embedding(ops, ids, q, scale, group).numpy())
+    with pytest.raises(Exception, match="token id 50 outside the vocabulary of 50"):
+        ops.embedding(paddle.to_tensor(np.array([50], dtype=np.int64)), table)
+
+
+def test_graph_settings_take_fastdeploy_and_vllm_spellings():
+    assert EngineArgs.create().graph_opt.enabled
+    off = EngineArgs.create(graph_optimization_config='{"use_cudagraph": false}')
+    assert not off.graph_opt.enabled
+    assert not EngineArgs.create(enforce_eager=True).graph_opt.enabled
+    sizes = EngineArgs.create(graph_optimization_config={"cudagraph_capture_sizes": [1, 2, 8]})
+    assert sizes.graph_opt.cudagraph_capture_sizes == [1, 2, 8]
+    with pytest.raises(ConfigError, match="graph_optimization_config: .* is not valid JSON"):
+        EngineArgs.create(graph_optimization_config="{use_cudagraph}")
+    with pytest.raises(ConfigError, match="0 is not a batch size"):
+        EngineArgs.create(cudagraph_capture_sizes=[0, 4])
+    with pytest.raises(ConfigError, match="graph_opt_level"):
+        EngineArgs.create(graph_optimization_config='{"graph_opt_level": 2}')
