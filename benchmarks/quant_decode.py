@@ -6,7 +6,8 @@ Usage: python benchmarks/quant_decode.py [--methods none,wint8,wint4] [--tokens 
 
 Builds one model per method (the native Llama with the method's quantizer, the cpu device's
 ops table with the C++ kernels), prefills the SmolLM2 chat prompt and times ``--tokens``
-greedy decode steps over a paged KV cache. Methods are measured round-robin in one process
+greedy decode steps over a paged KV cache, each decode step replayed from its captured graph as
+the engine does (``--eager``: the Python forward every step). Methods are measured round-robin in one process
 so machine noise hits them alike; the best round per method is reported, with the ratio to
 float32 ("none"). Besides wall-clock tok/s it reports the process CPU time per decode step:
 with ``OMP_NUM_THREADS=1 FD_QUANT_KERNEL_THREADS=1`` that is the work per token, a number a
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--eager", action="store_true", help="no captured decode steps (the engine's --enforce-eager)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
 
@@ -51,13 +53,15 @@ def main() -> None:
 
     from fastdeploy_core.devices.cpu import CpuDevice
     from fastdeploy_core.devices.current import set_current_ops
+    from fastdeploy_core.executor.decode_graph import DecodeGraphs
     from fastdeploy_core.loader import load_model_weights, resolve_model_source
     from fastdeploy_core.quantization.kernels import load_kernels
     from fastdeploy_core.quantization.registry import resolve_quantization
     from fastdeploy_core.tokenizer import load_tokenizer
     from tests.models.paged_harness import build_meta
 
-    set_current_ops(CpuDevice.make_ops())
+    ops = CpuDevice.make_ops()
+    set_current_ops(ops)
     load_kernels()
     source = resolve_model_source(args.model)
     tokenizer = load_tokenizer(source)
@@ -97,6 +101,8 @@ def main() -> None:
             "model": model,
             "caches": caches,
             "table": list(range(blocks)),
+            # decode steps replayed as the engine does (one graph for batch 1), unless --eager
+            "graphs": None if args.eager else DecodeGraphs(model, ops, caches, [1], blocks * bs, bs),
             "load_s": time.perf_counter() - t0,
             "weight_mib": weight_bytes(model) / 2**20,
             "decode": [],
@@ -108,11 +114,17 @@ def main() -> None:
     def run(entry):
         model, caches, table = entry["model"], entry["caches"], entry["table"]
 
+        graphs = entry["graphs"]
+
         def step(chunks):
             meta = build_meta(chunks, 64)
-            hidden = model(meta, caches)
-            logits = model.compute_logits(paddle.index_select(hidden, meta.logits_indices, axis=0))
-            return paddle.argmax(logits, axis=-1).numpy()
+            if graphs is not None and meta.is_decode_only:
+                for name in ("input_ids", "positions", "slot_mapping"):
+                    setattr(meta, name, getattr(meta, name).numpy())
+                hidden = graphs.run(meta)  # [1, H]: the decode row is the last row
+            else:
+                hidden = paddle.index_select(model(meta, caches), meta.logits_indices, axis=0)
+            return ops.argmax_rows(model.compute_logits(hidden))
 
         t = time.perf_counter()
         tokens = step([(prompt, 0, table)])

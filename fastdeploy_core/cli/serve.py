@@ -85,6 +85,9 @@ def serve(
     enable_prefix_caching: bool | None = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes (default: on)."),
     enable_chunked_prefill: bool | None = typer.Option(None, "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts over several steps (default: on)."),
     device: str | None = typer.Option(None, "--device", help="Device name or auto."),
+    use_cudagraph: bool | None = typer.Option(None, "--use-cudagraph/--no-use-cudagraph", help="Capture decode steps and replay them (default: on; on cpu the kernel calls are replayed from C++)."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Never capture: run every step's Python forward (vLLM's flag)."),
+    graph_optimization_config: str | None = typer.Option(None, "--graph-optimization-config", help='FastDeploy JSON, e.g. \'{"use_cudagraph": true, "cudagraph_capture_sizes": [1, 2, 4]}\'.'),
     api_key: list[str] | None = typer.Option(None, "--api-key", help="Accepted API key (repeatable); also env FD_API_KEY (comma-separated)."),
     max_concurrency: int | None = typer.Option(None, "--max-concurrency", help="Requests in the server at once; more get 429 (default: 512)."),
     max_waiting_time: float | None = typer.Option(None, "--max-waiting-time", help="Seconds a request may wait for an engine slot before 503; -1 = forever (default: -1)."),
@@ -107,6 +110,8 @@ def serve(
         "kv_cache_ratio": kv_cache_ratio, "tensor_parallel_size": tensor_parallel_size, "model_impl": model_impl,
         "quantization": quantization, "enable_prefix_caching": enable_prefix_caching,
         "enable_chunked_prefill": enable_chunked_prefill, "device": device, "api_key": api_key or None,
+        "use_cudagraph": use_cudagraph, "enforce_eager": enforce_eager or None,
+        "graph_optimization_config": graph_optimization_config,
         "max_concurrency": max_concurrency, "max_waiting_time": max_waiting_time,
         "chat_template": _read_template(chat_template), "seed": seed,
     }

@@ -89,3 +89,20 @@ def test_bench_commands_report_speeds(app, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "requests/s" in result.stdout
+
+
+def test_serve_takes_the_graph_flags_of_fastdeploy_and_vllm(app, monkeypatch):
+    import fastdeploy_core.entrypoints.openai.api_server as api_server
+
+    seen = []
+    monkeypatch.setattr(api_server, "run_server", lambda engine_args, server, log_level: seen.append(engine_args))
+    runner = CliRunner()
+    result = runner.invoke(app, ["serve", "--graph-optimization-config", '{"cudagraph_capture_sizes": [1, 3]}'])
+    assert result.exit_code == 0, result.output
+    assert seen[-1].graph_opt.enabled and seen[-1].graph_opt.cudagraph_capture_sizes == [1, 3]
+    assert runner.invoke(app, ["serve", "--enforce-eager"]).exit_code == 0
+    assert not seen[-1].graph_opt.enabled
+    assert runner.invoke(app, ["serve", "--no-use-cudagraph"]).exit_code == 0
+    assert not seen[-1].graph_opt.enabled
+    result = runner.invoke(app, ["serve", "--graph-optimization-config", "{bad"])
+    assert result.exit_code == 2 and "graph_optimization_config" in result.output
