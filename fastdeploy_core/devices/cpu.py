@@ -27,7 +27,7 @@ class CpuDevice(Device):
     priority = 0
     supported_dtypes = ("float32",)  # Paddle's CPU build registers float32 matmul only
     dist_backend = "gloo"
-    supports_graph_capture = False
+    supports_graph_capture = True  # CpuOps.capture_graph records the C++ kernels (refused without them)
     attention_backends = ("paged_reference",)
     # Each runs through a C++ kernel reading the compact weights (reference path if it cannot build).
     quantization_methods = ("wint8", "wint4", "w8a8", "w4a8", "block_wise_fp8", "mix_quant")
