@@ -140,7 +140,7 @@ class DecodeGraphs:
         )
         if not captured.ok:
             self.disabled_reason = captured.reason
-            logger.warning("decode steps run eagerly: capturing one was refused (%s)", captured.reason)
+            logger.info("decode steps run eagerly: capturing one was refused (%s)", captured.reason)
             self.release()
             return captured.output
         graph.captured = captured
