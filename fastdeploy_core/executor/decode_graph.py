@@ -119,11 +119,14 @@ class DecodeGraphs:
         return sorted(b for b, g in self._graphs.items() if g.captured is not None)
 
     def run(self, meta: ForwardMeta):
-        """The step's hidden states ``[B, H]`` (the graph's output tensor: read it before the next step).
+        """The step's hidden states ``[B, H]`` (the graph's output tensor: read it before the next
+        step), or ``None`` when this step does not fit the static buffers.
 
         ``meta`` holds host (numpy) arrays for ``input_ids``, ``positions`` and ``slot_mapping``.
         """
         batch = meta.num_seqs
+        if meta.block_tables.shape[1] > self.table_width:
+            return None  # more blocks than max_model_len needs (the caller runs this step eagerly)
         graph = self._graphs.get(batch)
         if graph is None:
             graph = self._graphs[batch] = _Graph(batch, self.table_width, self.block_size, self.on_host)

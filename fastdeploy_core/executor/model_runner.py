@@ -281,10 +281,11 @@ class ModelRunner:
         # own since (e.g. an int8-KV one), and this model's weights and caches are laid out for ours.
         set_current_ops(self.ops)
         graphs = self.graphs
+        hidden = None
         if graphs is not None and graphs.accepts(len(out.scheduled), all(n == 1 for _, n in out.scheduled)):
             meta = self.prepare_inputs(out, host_only=True)
             hidden = graphs.run(meta)
-        else:
+        if hidden is None:
             meta = self.prepare_inputs(out)
             hidden = self.model.forward(meta, self.kv_caches)
         self._prompt_logprobs(out, meta, hidden)

@@ -245,3 +245,12 @@ def test_graph_settings_take_fastdeploy_and_vllm_spellings():
         EngineArgs.create(cudagraph_capture_sizes=[0, 4])
     with pytest.raises(ConfigError, match="graph_opt_level"):
         EngineArgs.create(graph_optimization_config='{"graph_opt_level": 2}')
+
+
+def test_a_step_with_a_wider_block_table_than_max_model_len_needs_is_left_to_the_eager_path(ops):
+    model = _model(None)
+    graphs = DecodeGraphs(model, ops, _caches(model), [1], max_model_len=8, block_size=BLOCK)  # 2 blocks
+    meta = _host(build_meta([([4], 3, [0, 1, 2])], BLOCK))
+    with paddle.no_grad():
+        assert graphs.run(meta) is None
+    assert graphs.captured_sizes == [] and graphs.disabled_reason is None
