@@ -49,6 +49,8 @@ class CapturedGraph:
     def __init__(self, output, replay_fn=None, reason: str = "", release_fn=None):
         self.output = output
         self.reason = reason
+        #: Bytes the graph keeps for its intermediate results (0 if unknown or none).
+        self.arena_bytes = 0
         self._replay = replay_fn
         self._release = release_fn
 

@@ -58,7 +58,7 @@ std::vector<paddle::Tensor> SiluMul(const paddle::Tensor& x_in) {
   PD_CHECK(width % 2 == 0, "the last axis (", width, ") must hold gate and up halves");
   std::vector<int64_t> shape = x_in.shape();
   shape.back() = width / 2;
-  auto out = paddle::empty(shape, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = fd_graph::empty(shape, paddle::DataType::FLOAT32);
   fd_graph::run("fd_silu_mul", {&x_in}, {&out}, [x_in, out, width]() mutable {
     const paddle::Tensor x = x_in.contiguous();
     SiluJob job{x.data<float>(), out.data<float>(), width ? x.numel() / width : 0, width / 2, 1};

@@ -34,7 +34,7 @@ std::vector<paddle::Tensor> Embedding(const paddle::Tensor& ids, const paddle::T
   check_ids(ids, table);
   PD_CHECK(table.dtype() == paddle::DataType::FLOAT32, "fd_embedding takes a float32 table");
   const int64_t T = ids.numel(), V = table.shape()[0], H = table.shape()[1];
-  auto out = paddle::empty({T, H}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = fd_graph::empty({T, H}, paddle::DataType::FLOAT32);
   fd_graph::run("fd_embedding", {&ids, &table}, {&out}, [=]() mutable {
     const int64_t* id = checked_ids(ids, V);
     const float* src = table.data<float>();
@@ -54,7 +54,7 @@ std::vector<paddle::Tensor> Int8Embedding(const paddle::Tensor& ids, const paddl
   PD_CHECK(scale.dtype() == paddle::DataType::FLOAT32 && scale.shape().size() == 2 && scale.shape()[0] == V &&
                scale.shape()[1] == G,
            "scale must be float32 [vocab, ", G, "] for rows of ", H, " in groups of ", group_size);
-  auto out = paddle::empty({T, H}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = fd_graph::empty({T, H}, paddle::DataType::FLOAT32);
   fd_graph::run("fd_int8_embedding", {&ids, &table, &scale}, {&out}, [=]() mutable {
     const int64_t* id = checked_ids(ids, V);
     const int8_t* src = table.data<int8_t>();

@@ -132,7 +132,7 @@ std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle:
                                         const paddle::Tensor& v_cache, const paddle::Tensor& slots, int64_t num_heads,
                                         int64_t num_kv_heads) {
   const int64_t d = check_rope(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads);
-  auto q_out = paddle::empty({qkv.shape()[0], num_heads, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto q_out = fd_graph::empty({qkv.shape()[0], num_heads, d}, paddle::DataType::FLOAT32);
   fd_graph::run("fd_rope_write_kv", {&qkv, &positions, &cos_sin, &k_cache, &v_cache, &slots}, {&q_out},
                 [=]() mutable {
                   rope_write_kv_into(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads, d,
@@ -487,7 +487,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
                                            const paddle::Tensor& seq_lens, const paddle::Tensor& block_tables,
                                            float scale, int64_t sliding_window) {
   PD_CHECK(q.shape().size() == 3, "q must be float32 [T, h, d]");
-  auto out = paddle::empty(q.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = fd_graph::empty(q.shape(), paddle::DataType::FLOAT32);
   fd_graph::run("fd_paged_attention", {&q, &k_cache, &v_cache, &query_start, &seq_lens, &block_tables}, {&out},
                 [=]() mutable {
                   paged_attention_into(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
@@ -507,8 +507,8 @@ std::vector<paddle::Tensor> RopePagedAttention(const paddle::Tensor& qkv, const 
                                                int64_t num_kv_heads, float scale, int64_t sliding_window) {
   const int64_t d = check_rope(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads);
   const int64_t T = qkv.shape()[0];
-  auto q = paddle::empty({T, num_heads, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  auto out = paddle::empty({T, num_heads * d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto q = fd_graph::empty({T, num_heads, d}, paddle::DataType::FLOAT32);
+  auto out = fd_graph::empty({T, num_heads * d}, paddle::DataType::FLOAT32);
   fd_graph::run("fd_rope_paged_attention",
                 {&qkv, &positions, &cos_sin, &k_cache, &v_cache, &slots, &query_start, &seq_lens, &block_tables},
                 {&q, &out}, [=]() mutable {

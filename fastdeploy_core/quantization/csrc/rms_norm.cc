@@ -94,7 +94,7 @@ void run(NormJob* job) {
 
 std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x_in, const paddle::Tensor& weight, float eps) {
   check(x_in, weight);
-  auto out = paddle::empty(x_in.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = fd_graph::empty(x_in.shape(), paddle::DataType::FLOAT32);
   fd_graph::run("fd_rms_norm", {&x_in, &weight}, {&out}, [x_in, weight, out, eps]() mutable {
     const paddle::Tensor x = x_in.contiguous();
     const int64_t H = x.shape().back();
@@ -110,8 +110,8 @@ std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x_in, const paddle:
   check(x_in, weight);
   PD_CHECK(residual_in.shape() == x_in.shape() && residual_in.dtype() == paddle::DataType::FLOAT32,
            "residual must be float32 shaped like x");
-  auto out = paddle::empty(x_in.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
-  auto sum = paddle::empty(x_in.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = fd_graph::empty(x_in.shape(), paddle::DataType::FLOAT32);
+  auto sum = fd_graph::empty(x_in.shape(), paddle::DataType::FLOAT32);
   fd_graph::run("fd_add_rms_norm", {&x_in, &residual_in, &weight}, {&out, &sum},
                 [x_in, residual_in, weight, out, sum, eps]() mutable {
                   const paddle::Tensor x = x_in.contiguous();

@@ -812,7 +812,7 @@ std::vector<paddle::Tensor> run_int4_vnni(const paddle::Tensor& x_in, const padd
   PD_CHECK(offset.shape() == scale.shape() && offset.dtype() == scale.dtype(),
            "offset must be shaped and typed like scale");
   const int64_t s_tile = tiled_scale ? G * kCols : kCols, s_group = tiled_scale ? kCols : N;
-  auto out = paddle::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = fd_graph::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32);
   fd_graph::run("fd_int4_linear", {&x_in, &weight, &scale, &offset}, {&out}, [=]() mutable {
     const paddle::Tensor x = x_in.contiguous();
     const int64_t M = K > 0 ? x.numel() / K : 0;
@@ -929,7 +929,7 @@ std::vector<paddle::Tensor> run(const paddle::Tensor& x_in, const paddle::Tensor
   if (offset != nullptr)
     PD_CHECK(offset->shape() == scale.shape() && offset->dtype() == paddle::DataType::FLOAT32,
              "offset must be float32 shaped like scale");
-  auto out = paddle::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = fd_graph::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32);
   const bool has_offset = offset != nullptr;
   const paddle::Tensor offset_t = has_offset ? *offset : paddle::Tensor();
   const char* op = KIND == Kind::kInt8 ? "fd_int8_linear" : KIND == Kind::kInt4 ? "fd_int4_linear" : "fd_fp8_linear";
@@ -999,7 +999,7 @@ std::vector<paddle::Tensor> F32Linear(const paddle::Tensor& x_in, const paddle::
   int64_t K, N, row_bytes, tile_bytes;
   weight_layout<Kind::kF32>(weight, &K, &N, &row_bytes, &tile_bytes);
   PD_CHECK(x_in.shape().back() == K, "x's last axis (", x_in.shape().back(), ") must equal the weight's K (", K, ")");
-  auto out = paddle::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = fd_graph::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32);
   fd_graph::run("fd_f32_linear", {&x_in, &weight}, {&out}, [=]() mutable {
     const paddle::Tensor x = x_in.contiguous();
     const int64_t M = K > 0 ? x.numel() / K : 0;
