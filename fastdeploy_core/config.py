@@ -99,7 +99,7 @@ class GraphOptConfig(_Section):
     calls, see ``fastdeploy_core/executor/decode_graph.py``)."""
 
     use_cudagraph: bool = True
-    cudagraph_capture_sizes: list[int] | None = Field(None, description="None: 1, 2, 4, 8, 16, 32, 64 up to max_num_seqs")
+    cudagraph_capture_sizes: list[int] | None = Field(None, description="None: every batch size up to max_num_seqs")
     enforce_eager: bool = False
     graph_opt_level: Literal[0] = Field(0, description="static-graph conversion (FastDeploy levels 1-2) is not implemented")
 

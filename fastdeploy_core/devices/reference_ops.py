@@ -51,6 +51,9 @@ class CapturedGraph:
         self.reason = reason
         #: Bytes the graph keeps for its intermediate results (0 if unknown or none).
         self.arena_bytes = 0
+        #: Whether recording the same work again (``capture_graph(..., previous=this)``) would
+        #: gain nothing; a device that improves on a second recording sets it on that one.
+        self.planned = True
         self._replay = replay_fn
         self._release = release_fn
 
@@ -164,15 +167,17 @@ class ReferenceOps:
         return F.silu(gate) * up
 
     # ---- captured steps ----------------------------------------------------------------------
-    def capture_graph(self, forward, static_tensors: list) -> "CapturedGraph":
+    def capture_graph(self, forward, static_tensors: list, previous: "CapturedGraph | None" = None) -> "CapturedGraph":
         """Run ``forward()`` once and keep its device work so :meth:`CapturedGraph.replay` can
         run it again on the same buffers without Python (the counterpart of a CUDA graph).
 
         ``static_tensors``: every tensor the forward may read that is not produced inside it
         (weights, caches, the step's inputs, which the caller refreshes in place before each
-        replay). The result always carries ``forward``'s output; ``ok`` says whether it can be
-        replayed, ``reason`` why not. The reference ops capture nothing: a device whose ops
-        can be recorded (the cpu kernels, a CUDA graph) overrides this.
+        replay). ``previous``: an earlier recording of the same work, which a device may learn
+        from (the cpu kernels plan one memory arena for the activations from it; ``planned``
+        says whether a graph is final). The result always carries ``forward``'s output; ``ok``
+        says whether it can be replayed, ``reason`` why not. The reference ops capture nothing:
+        a device whose ops can be recorded (the cpu kernels, a CUDA graph) overrides this.
         """
         return CapturedGraph(forward(), None, "this device's ops table does not capture graphs")
 

@@ -2,11 +2,14 @@
 
 A decode step runs the same ops on the same shapes every time; only the data differ (token
 ids, positions, KV slots, block tables, sequence lengths). Each batch size in the capture list
-gets static input buffers and a meta built on them; the first decode step of that size runs
-the model's forward through :meth:`ReferenceOps.capture_graph` (the ops table records what it
-can), and later steps of that size copy their inputs into the buffers and replay, skipping the
-Python layers and the framework's per-op dispatch (on the cpu kernels ~2 ms of a ~8 ms int4
-batch-1 step). Prompt steps, mixed steps and sizes outside the list run eagerly.
+(default: every size up to ``max_num_seqs``) gets static input buffers and a meta built on
+them; the first decode step of that size runs the model's forward through
+:meth:`ReferenceOps.capture_graph` (the ops table records what it can), the second records it
+again if the table can improve on its first recording (the cpu kernels lay the activations out
+in one planned arena), and later steps of that size copy their inputs into the buffers and
+replay, skipping the Python layers and the framework's per-op dispatch (on the cpu kernels
+about half of a wint4 batch-1 step). Prompt steps, mixed steps and sizes outside the list run
+eagerly.
 
 When a capture is refused (the device does not capture, or the forward used an op that cannot
 be recorded) the reason is logged once and every later step runs eagerly; the refused capture's
@@ -24,8 +27,6 @@ from fastdeploy_core.executor.forward_meta import ForwardMeta
 
 logger = logging.getLogger(__name__)
 
-#: Batch sizes captured when the configuration names none (those above max_num_seqs dropped).
-DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class _StaticInput:
@@ -130,24 +131,30 @@ class DecodeGraphs:
         graph = self._graphs.get(batch)
         if graph is None:
             graph = self._graphs[batch] = _Graph(batch, self.table_width, self.block_size, self.on_host)
-            graph.load(meta)
-            return self._capture(graph)
         graph.load(meta)
+        if graph.captured is None or not graph.captured.planned:
+            return self._capture(graph)
         return graph.captured.replay()
 
     def _capture(self, graph: _Graph):
+        """Record this step (the recording computes it). A second recording of a batch size
+        replaces the first when the ops table can improve on it (the cpu kernels then put the
+        activations in one planned arena); both are real steps, nothing is computed twice."""
         if self._weights is None:
             self._weights = list(self.model.parameters()) + list(self.model.buffers()) + _flatten(self.kv_caches)
+        previous = graph.captured
         captured = self.ops.capture_graph(
-            lambda: self.model.forward(graph.meta, self.kv_caches), self._weights + graph.static_tensors()
+            lambda: self.model.forward(graph.meta, self.kv_caches), self._weights + graph.static_tensors(), previous
         )
         if not captured.ok:
             self.disabled_reason = captured.reason
             logger.info("decode steps run eagerly: capturing one was refused (%s)", captured.reason)
             self.release()
             return captured.output
+        if previous is not None:
+            previous.release()
         graph.captured = captured
-        logger.info("captured the decode step of batch size %d", graph.batch)
+        logger.debug("recorded the decode step of batch size %d (planned: %s)", graph.batch, captured.planned)
         return captured.output
 
     def release(self) -> None:

@@ -129,13 +129,13 @@ class ModelRunner:
     def _decode_graphs(self):
         """Decode-step graphs (``graph_opt`` settings) when on and the model declares its forward
         capturable (only ops-table calls, nothing else with side effects); else ``None``."""
-        from fastdeploy_core.executor.decode_graph import DEFAULT_CAPTURE_SIZES, DecodeGraphs
+        from fastdeploy_core.executor.decode_graph import DecodeGraphs
 
         graph_opt = self.args.graph_opt
         if not graph_opt.enabled or not getattr(self.model, "supports_graph_capture", False):
             return None
         max_seqs = self.args.scheduler.max_num_seqs
-        sizes = graph_opt.cudagraph_capture_sizes or [b for b in DEFAULT_CAPTURE_SIZES if b <= max_seqs]
+        sizes = graph_opt.cudagraph_capture_sizes or range(1, max_seqs + 1)
         return DecodeGraphs(self.model, self.ops, self.kv_caches, sizes, self.max_model_len, self.block_size)
 
     def _resolve_model_class(self, pm):
@@ -349,6 +349,17 @@ class ModelRunner:
                 if self.graphs is None
                 else f"off: {self.graphs.disabled_reason}"
                 if self.graphs.disabled_reason
-                else f"decode batch sizes {sorted(self.graphs.capture_sizes)}"
+                else f"decode batch sizes {_ranges(sorted(self.graphs.capture_sizes))}"
             ),
         }
+
+
+def _ranges(sizes: list[int]) -> str:
+    """``[1, 2, 3, 8]`` -> ``"1-3, 8"``."""
+    parts: list[list[int]] = []
+    for size in sizes:
+        if parts and parts[-1][1] == size - 1:
+            parts[-1][1] = size
+        else:
+            parts.append([size, size])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in parts)

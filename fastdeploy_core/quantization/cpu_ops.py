@@ -145,44 +145,32 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             return ReferenceOps.int8_embedding(self, ids, weight, scale, group_size)
         return _run("fd_int8_embedding", ids.reshape([-1]), weight, scale, int(group_size))[0]
 
-    def capture_graph(self, forward, static_tensors: list) -> CapturedGraph:
+    def capture_graph(self, forward, static_tensors: list, previous: CapturedGraph | None = None) -> CapturedGraph:
         """Record the forward's kernel calls (``csrc/graph.h``): replaying them skips Paddle's
         dispatch and the Python layers, ~8 us per op, ~2 ms of a batch-1 step. The recording is
         refused (``ok`` false, the reason given) when any op of the forward is not one of these
-        kernels, since a replay would skip it. The forward runs twice: the second recording puts
-        the activations in one arena planned from the first (``arena_bytes``)."""
+        kernels, since a replay would skip it. Given ``previous`` (a replayable recording of the
+        same work) the activations go to one arena planned from it (``planned``, ``arena_bytes``)."""
         if not (self._have_kernels or self._ready()):
-            return ReferenceOps.capture_graph(self, forward, static_tensors)
-        static_tensors = list(static_tensors)
-        output, first = self._record(forward, static_tensors, 0)
-        if isinstance(first, str):
-            return CapturedGraph(output, None, first)
-        # Again, on the arena the first recording planned (activations share memory, see graph.h).
-        try:
-            output, handle = self._record(forward, static_tensors, int(first.numpy()[0]))
-        finally:
-            _run("fd_graph_release", first)
-        if isinstance(handle, str):
-            return CapturedGraph(output, None, handle)
-        graph = CapturedGraph(
-            output, lambda: _run("fd_graph_replay", handle), release_fn=lambda: _run("fd_graph_release", handle)
-        )
-        graph.arena_bytes = int(_run("fd_graph_arena_bytes", handle)[0].numpy()[0])
-        return graph
-
-    @staticmethod
-    def _record(forward, static_tensors: list, plan: int):
-        """One recording of ``forward``: ``(output, handle tensor)``, or ``(output, reason)`` if refused."""
-        _run("fd_graph_begin", static_tensors, plan)
+            return ReferenceOps.capture_graph(self, forward, static_tensors, previous)
+        plan = getattr(previous, "handle", None) if previous is not None and not previous.planned else None
+        _run("fd_graph_begin", list(static_tensors), int(plan.numpy()[0]) if plan is not None else 0)
         try:
             output = forward()
         except BaseException:
             _run("fd_graph_abort", paddle.zeros([1], dtype="int64"))
             raise
         try:
-            return output, _run("fd_graph_end", output)[0]
+            handle = _run("fd_graph_end", output)[0]
         except Exception as exc:  # noqa: BLE001 - the recording is refused; the output stands
-            return output, _kernel_message(exc)
+            return CapturedGraph(output, None, _kernel_message(exc))
+        graph = CapturedGraph(
+            output, lambda: _run("fd_graph_replay", handle), release_fn=lambda: _run("fd_graph_release", handle)
+        )
+        graph.handle = handle
+        graph.arena_bytes = int(_run("fd_graph_arena_bytes", handle)[0].numpy()[0])
+        graph.planned = plan is not None
+        return graph
 
     def rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
         if not (self._have_kernels or self._ready()) or x.dtype != paddle.float32:

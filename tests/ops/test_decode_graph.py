@@ -118,6 +118,8 @@ def test_replayed_steps_equal_eager_steps_bitwise(ops, method, batch):
             eager = model(build_meta(chunks, BLOCK), eager_caches).numpy()
             replayed = graphs.run(_host(build_meta(chunks, BLOCK))).numpy()
             assert graphs.captured_sizes == [batch], graphs.disabled_reason
+            # recorded on the first step, recorded again on the planned arena on the second
+            assert graphs._graphs[batch].captured.planned == (step >= 1)
             np.testing.assert_array_equal(replayed, eager, err_msg=f"step {step}")
             lengths = [n + 1 for n in lengths]
     # The activations share one arena (planned from a first recording): less than half of what
@@ -258,3 +260,40 @@ def test_a_step_with_a_wider_block_table_than_max_model_len_needs_is_left_to_the
     with paddle.no_grad():
         assert graphs.run(meta) is None
     assert graphs.captured_sizes == [] and graphs.disabled_reason is None
+
+
+def test_the_engine_replays_decode_steps_of_every_batch_size_and_says_so(tmp_path):
+    import json
+
+    from safetensors.numpy import save_file
+
+    from fastdeploy_core.engine.engine_core import EngineCore
+    from fastdeploy_core.engine.outputs import EngineCoreRequest
+    from fastdeploy_core.engine.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    tensors = dict(_weights())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    outs = {}
+    for eager in (False, True):
+        core = EngineCore(
+            EngineArgs.create(
+                model=str(tmp_path), max_model_len=64, block_size=BLOCK, num_gpu_blocks_override=64,
+                max_num_seqs=4, enforce_eager=eager,
+            )
+        )
+        for i, prompt in enumerate([[1, 2, 3], [4, 5, 6, 7, 8], [9]]):
+            sp = SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True)
+            core.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=sp))
+        tokens: dict[str, list[int]] = {}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        outs[eager] = tokens
+        runner = core.runner
+        if eager:
+            assert runner.graphs is None and runner.describe()["graph_capture"] == "off"
+        else:
+            assert runner.describe()["graph_capture"] == "decode batch sizes 1-4"
+            assert runner.graphs.captured_sizes  # the batch shrinks 3 -> 2 -> 1 as requests finish
+    assert outs[False] == outs[True] and len(outs[False]["2"]) == 12

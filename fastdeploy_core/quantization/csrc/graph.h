@@ -8,12 +8,12 @@
 // again from C++ on the same buffers: the caller refreshes the static inputs in place (token
 // ids, positions, slots, block tables, sequence lengths) and replays.
 //
-// Memory: a capture runs the forward twice. The first recording notes every output the ops
-// allocate through fd_graph::empty and which later steps read it; fd_graph_end turns that into a
-// plan: offsets in one arena where outputs whose lifetimes do not overlap share bytes. The second
-// recording (fd_graph_begin with the first graph's handle as `plan`) allocates its outputs at
-// those offsets, so a replayed step's activations take a few layers' worth of memory and stay
-// warm in cache, instead of one buffer per op. (The second run writes the same KV values again.)
+// Memory: a first recording notes every output the ops allocate through fd_graph::empty and the
+// last step that reads it; fd_graph_end turns that into a plan: offsets in one arena where
+// outputs whose lifetimes do not overlap share bytes. A second recording of the same work (the
+// next step of that batch size: fd_graph_begin with the first graph's handle as `plan`)
+// allocates its outputs at those offsets, so a replayed step's activations take a few layers'
+// worth of memory and stay warm in cache, instead of one buffer per op.
 //
 // Only the computation is replayed; whatever the caller did in Python or through Paddle's own
 // ops is not. So recording checks that every input of every recorded op is either a tensor
