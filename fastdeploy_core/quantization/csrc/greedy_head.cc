@@ -14,14 +14,17 @@
 // 1. Screen. Each vocabulary row i (a weight column) is kept as int8 codes q_i with one
 //    symmetric scale s_i = max|w_i| / 127, stored as q + 128 (uint8) in the int4 VNNI kernel's
 //    tile layout: 32 columns x 4 consecutive k per 128 bytes, what vpdpbusd (u8 x s8, 4 products
-//    per int32 lane) multiplies. Each hidden row x is rounded to 16-bit codes c_k with one scale
-//    s_x = |x|max / 32639, split as c = 256 hi + lo with int8 pieces (as the int4 VNNI path's
-//    weight-only activations). Why not int8 activations: SmolLM2's final hidden states have
-//    outlier channels (|x|max 17-45 against an rms of 1.9), and the bound below then admitted
-//    ~315 candidates per row on real decodes (some rows: all 49152) instead of ~5.
-//    The approximate logit is a_i = s_x s_i (256 sum_k q hi + sum_k q lo), two int32 dot
-//    products (|q + 128| <= 255, |piece| <= 128: exact while K <= 65536).
-// 2. Candidates. With x^ = s_x c, e = x - x^, w^_i = s_i q_i, d_i = w_i - w^_i:
+//    per int32 lane) multiplies. Each hidden row x is rounded to int8 codes per row in two
+//    parts: its 16 largest |x_k| (outlier channels) with scale s_o = |x|max / 127, the other
+//    channels with s_m = (their largest |x_k|) / 127. SmolLM2's final hidden states have such
+//    outliers (|x|max 17-45 against an rms of 1.9); with one scale per row the bound below
+//    admitted ~315 candidates per row on real decodes (some rows: all 49152). With the split,
+//    ~12 tiles of 32 per row (16-bit codes everywhere, two int8 pieces as the int4 VNNI path:
+//    ~5, for 2x the vpdpbusd; at batch 16-64 the screen is bound by them).
+//    The approximate logit is a_i = s_i (s_m sum_k q p + s_o sum_k q o), p / o the main /
+//    outlier codes; the outlier sum runs over the <= 16 chunks of 4 k that hold outliers. The
+//    int32 dot products are exact (|q + 128| <= 255, |code| <= 127, K <= 65536).
+// 2. Candidates. With x^ = s_m p + s_o o, e = x - x^, w^_i = s_i q_i, d_i = w_i - w^_i:
 //       x . w_i = x^ . w^_i + x^ . d_i + e . w_i        (exact, real arithmetic)
 //    so by Cauchy-Schwarz |x . w_i - a_i| <= |x^|_2 |d_i|_2 + |e|_2 |w_i|_2.
 //    fd_f32_linear's float32 result f_i sums the K products in some order (one or two chains,
@@ -33,8 +36,9 @@
 //       A = |x^|_2,  B = |e|_2 + gamma_{K+1} |x|_2,  C = 2 K 2^-126,
 //    with A, B per hidden row (computed in double from the actual codes, rounded up), |d_i|_2
 //    and |w_i|_2 per vocabulary row (prepare, in double, rounded up). The screen computes a_i
-//    and E_i in float32 (a few roundings each: relative error < 2^-20) and widens E_i to
-//    E_i + 2^-16 (E_i + |a_i|), which covers those roundings and the ones of a_i +- E_i.
+//    and E_i in float32 (a few roundings each: error < 2^-20 of E_i, and of |a_i|'s two parts
+//    added without cancellation, |a|^) and widens E_i to E_i + 2^-16 (E_i + |a|^), which covers
+//    those roundings and the ones of a_i +- E_i.
 //    With L = max_j (a_j - E_j), every i with a_i + E_i < L has f_i < f_j for the j attaining
 //    L, so it is neither the largest value nor tied with it: the argmax is among
 //    {i : a_i + E_i >= L}. The screen keeps, per row and tile, the largest a_i + E_i and the
@@ -55,6 +59,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "f32_tiles.h"
@@ -65,8 +70,8 @@ namespace {
 
 constexpr int64_t kCols = 32;               // vocabulary rows (weight columns) per tile
 constexpr int64_t kChunkBytes = kCols * 4;  // one screen chunk: 32 columns x 4 k
-constexpr int kCodeMax = 32639;             // |c| bound: c = 256 hi + lo with int8 hi, lo
-constexpr int64_t kMaxK = 65536;            // K * 255 * 128 < 2^31: int32 dot products are exact
+constexpr int kOutliers = 16;               // largest |x_k| per row with their own int8 scale
+constexpr int64_t kMaxK = 65536;            // K * 255 * 127 < 2^31: int32 dot products are exact
 constexpr double kRoundUp = 1.0 + 1.0 / (1 << 20);  // covers double sums and the float cast
 constexpr int kMetaRows = 3;                // meta per tile: s_i, |d_i|_2, |w_i|_2
 constexpr int64_t kFullRowFraction = 8;     // more than 1/8 of the tiles as candidates: whole row
@@ -115,36 +120,54 @@ void prepare_tile(void* ctx, int64_t t) {
 
 struct RowPlan {
   bool screened = false;  // false: recompute the whole row
-  float sx = 1.f, A = 0.f, B = 0.f;
-  int32_t sum_hi = 0, sum_lo = 0;
+  float sm = 1.f, so = 1.f;  // scales of the main and the outlier codes
+  float A = 0.f, B = 0.f;    // the bound's coefficients
+  int32_t sum_main = 0, sum_out = 0;
+  int32_t num_chunks = 0;                 // chunks (4 k) holding outlier channels, ascending:
+  int32_t chunks[kOutliers] = {};
 };
 
-// x's 16-bit codes as int8 pieces (padded to Kc * 4 with zeros) and the bound's coefficients.
-RowPlan plan_row(const float* x, int64_t K, int64_t Kc, float w2_max, int8_t* hi, int8_t* lo) {
+// The magnitude below which a channel is "main": the (kOutliers + 1)-th largest |x_k| (0 when
+// K <= kOutliers: every nonzero channel is an outlier).
+float main_limit(const float* x, int64_t K) {
+  if (K <= kOutliers) return 0.f;
+  std::vector<float> mags(x, x + K);
+  for (float& v : mags) v = std::fabs(v);
+  std::nth_element(mags.begin(), mags.begin() + kOutliers, mags.end(), std::greater<float>());
+  return mags[kOutliers];
+}
+
+// x's int8 codes (main and outlier, padded to Kc * 4 with zeros) and the bound's coefficients.
+RowPlan plan_row(const float* x, int64_t K, int64_t Kc, float w2_max, int8_t* main, int8_t* out) {
   RowPlan plan;
   float amax = 0.f;
   for (int64_t k = 0; k < K; ++k) {
     if (!std::isfinite(x[k])) return plan;
     amax = std::max(amax, std::fabs(x[k]));
   }
-  plan.sx = amax > 0.f ? amax / kCodeMax : 1.f;
-  const double sx = plan.sx;
+  const float limit = main_limit(x, K);
+  plan.sm = limit > 0.f ? limit / 127.f : 1.f;
+  plan.so = amax > limit ? amax / 127.f : 1.f;
   double xh2 = 0.0, e2 = 0.0, x2 = 0.0;
   for (int64_t k = 0; k < Kc * 4; ++k) {
-    int c = 0;
+    int pm = 0, po = 0;
     if (k < K) {
       const double xk = x[k];
-      c = static_cast<int>(std::max<double>(-kCodeMax, std::min<double>(kCodeMax, std::nearbyint(xk / sx))));
-      const double xh = sx * c, e = xk - xh;  // the bound uses these actual codes, whatever rounding gave them
+      const bool outlier = std::fabs(x[k]) > limit;
+      const double scale = outlier ? plan.so : plan.sm;
+      const int c = static_cast<int>(std::max(-127.0, std::min(127.0, std::nearbyint(xk / scale))));
+      (outlier ? po : pm) = c;
+      const double xh = scale * c, e = xk - xh;  // the bound uses these actual codes, whatever rounding gave them
       xh2 += xh * xh;
       e2 += e * e;
       x2 += xk * xk;
+      if (outlier && (plan.num_chunks == 0 || plan.chunks[plan.num_chunks - 1] != k / 4))
+        plan.chunks[plan.num_chunks++] = static_cast<int32_t>(k / 4);
     }
-    const int h = (c + 128) >> 8;  // round(c / 256): h and c - 256 h both fit int8
-    hi[k] = static_cast<int8_t>(h);
-    lo[k] = static_cast<int8_t>(c - 256 * h);
-    plan.sum_hi += h;
-    plan.sum_lo += c - 256 * h;
+    main[k] = static_cast<int8_t>(pm);
+    out[k] = static_cast<int8_t>(po);
+    plan.sum_main += pm;
+    plan.sum_out += po;
   }
   if (std::sqrt(x2) * w2_max > kOverflowLimit) return plan;
   constexpr double u = 1.0 / (1 << 24);
@@ -163,8 +186,8 @@ struct ScreenJob {
   int64_t T, Kc;
   float C;               // the bound's absolute term
   int64_t rows;          // screened rows
-  const int8_t* hi;      // [rows, Kc * 4]
-  const int8_t* lo;
+  const int8_t* main;    // [rows, Kc * 4] main codes
+  const int8_t* out;     // [rows, Kc * 4] outlier codes (zero outside plan.chunks)
   const RowPlan* plan;   // [rows]
   float* upper;          // [rows, T]: per tile the largest a_i + E_i
   float* lower;          // [rows, T]: per tile the largest a_i - E_i
@@ -174,44 +197,63 @@ struct ScreenJob {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kHaveVnni = true;
 
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
 // ROWS screened rows (from r0) against tile t: the int8 dot products, then a_i +- E_i.
 template <int ROWS>
 void screen_tile(const ScreenJob& j, int64_t r0, int64_t t) {
-  const uint8_t* w = j.codes + t * j.Kc * kChunkBytes;
+  const uint8_t* tile = j.codes + t * j.Kc * kChunkBytes;
   const int64_t Kp = j.Kc * 4;
-  __m512i hi[ROWS][2], lo[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) hi[r][0] = hi[r][1] = lo[r][0] = lo[r][1] = _mm512_setzero_si512();
+  __m512i acc[ROWS][2], acc_out[ROWS][2][2];
+  for (int r = 0; r < ROWS; ++r)
+    for (int h = 0; h < 2; ++h) acc[r][h] = acc_out[r][0][h] = acc_out[r][1][h] = _mm512_setzero_si512();
+  const uint8_t* w = tile;
   for (int64_t c = 0; c < j.Kc; ++c, w += kChunkBytes) {
     // One row streams the weights (batch-1 decode is bound by memory): ask 4 KB ahead, as the int4 VNNI loop.
     _mm_prefetch(reinterpret_cast<const char*>(w + 4096), _MM_HINT_NTA);
     _mm_prefetch(reinterpret_cast<const char*>(w + 4096 + 64), _MM_HINT_NTA);
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
     for (int r = 0; r < ROWS; ++r) {
-      int32_t xh, xl;
-      std::memcpy(&xh, j.hi + (r0 + r) * Kp + 4 * c, 4);
-      std::memcpy(&xl, j.lo + (r0 + r) * Kp + 4 * c, 4);
-      const __m512i bh = _mm512_set1_epi32(xh), bl = _mm512_set1_epi32(xl);
-      hi[r][0] = _mm512_dpbusd_epi32(hi[r][0], w0, bh);
-      hi[r][1] = _mm512_dpbusd_epi32(hi[r][1], w1, bh);
-      lo[r][0] = _mm512_dpbusd_epi32(lo[r][0], w0, bl);
-      lo[r][1] = _mm512_dpbusd_epi32(lo[r][1], w1, bl);
+      const __m512i x = broadcast4(j.main + (r0 + r) * Kp + 4 * c);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, x);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, x);
+    }
+  }
+  // The outlier codes, only over the chunks holding them (the tile's codes are in L1 by now);
+  // alternate chunks go to two accumulator pairs so consecutive vpdpbusd do not wait on each other.
+  for (int r = 0; r < ROWS; ++r) {
+    const RowPlan& p = j.plan[r0 + r];
+    for (int i = 0; i < p.num_chunks; ++i) {
+      const int64_t c = p.chunks[i];
+      const __m512i w0 = _mm512_loadu_si512(tile + c * kChunkBytes), w1 = _mm512_loadu_si512(tile + c * kChunkBytes + 64);
+      const __m512i x = broadcast4(j.out + (r0 + r) * Kp + 4 * c);
+      acc_out[r][i & 1][0] = _mm512_dpbusd_epi32(acc_out[r][i & 1][0], w0, x);
+      acc_out[r][i & 1][1] = _mm512_dpbusd_epi32(acc_out[r][i & 1][1], w1, x);
     }
   }
   const float* meta = j.meta + t * kMetaRows * kCols;
   const __m512 margin = _mm512_set1_ps(1.f / 65536), c0 = _mm512_set1_ps(j.C);
   for (int r = 0; r < ROWS; ++r) {
     const RowPlan& p = j.plan[r0 + r];
-    // The codes were stored as q + 128: sum (q + 128) piece = sum q piece + 128 sum piece.
-    const __m512i fix_hi = _mm512_set1_epi32(128 * p.sum_hi), fix_lo = _mm512_set1_epi32(128 * p.sum_lo);
+    // The codes were stored as q + 128: sum (q + 128) x = sum q x + 128 sum x.
+    const __m512i fix_main = _mm512_set1_epi32(128 * p.sum_main), fix_out = _mm512_set1_epi32(128 * p.sum_out);
+    const __m512 sm = _mm512_set1_ps(p.sm), so = _mm512_set1_ps(p.so);
     __m512 up = _mm512_set1_ps(-INFINITY), down = up;
     for (int h = 0; h < 2; ++h) {
       const __m512 s = _mm512_loadu_ps(meta + 16 * h), d2 = _mm512_loadu_ps(meta + kCols + 16 * h),
                    w2 = _mm512_loadu_ps(meta + 2 * kCols + 16 * h);
-      const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi[r][h], fix_hi)), _mm512_set1_ps(256.f),
-                                         _mm512_cvtepi32_ps(_mm512_sub_epi32(lo[r][h], fix_lo)));
-      const __m512 a = _mm512_mul_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(p.sx)));
+      const __m512 part_main = _mm512_mul_ps(sm, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][h], fix_main)));
+      const __m512 part_out = _mm512_mul_ps(
+          so, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(acc_out[r][0][h], acc_out[r][1][h]), fix_out)));
+      const __m512 a = _mm512_mul_ps(_mm512_add_ps(part_main, part_out), s);
+      // The margin scales with the parts, not their sum: they may cancel.
+      const __m512 size = _mm512_mul_ps(_mm512_add_ps(_mm512_abs_ps(part_main), _mm512_abs_ps(part_out)), s);
       __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(p.A), d2, _mm512_fmadd_ps(_mm512_set1_ps(p.B), w2, c0));
-      e = _mm512_fmadd_ps(_mm512_add_ps(e, _mm512_abs_ps(a)), margin, e);
+      e = _mm512_fmadd_ps(_mm512_add_ps(e, size), margin, e);
       up = _mm512_max_ps(up, _mm512_add_ps(a, e));
       down = _mm512_max_ps(down, _mm512_sub_ps(a, e));
     }
@@ -224,7 +266,7 @@ void screen_item(void* ctx, int64_t item) {
   const ScreenJob& j = *static_cast<const ScreenJob*>(ctx);
   for (int64_t t = item * j.per_item; t < std::min(j.T, (item + 1) * j.per_item); ++t) {
     int64_t r = 0;
-    for (; r + 4 <= j.rows; r += 4) screen_tile<4>(j, r, t);  // 16 accumulators + 4 operands of 32 registers
+    for (; r + 4 <= j.rows; r += 4) screen_tile<4>(j, r, t);
     switch (j.rows - r) {
       case 3: screen_tile<3>(j, r, t); break;
       case 2: screen_tile<2>(j, r, t); break;
@@ -368,10 +410,10 @@ std::vector<paddle::Tensor> GreedyHead(const paddle::Tensor& hidden_in, const pa
   std::vector<RowPlan> plan(B);
   std::vector<int64_t> screen_index(B, -1);
   std::vector<RowPlan> screened;
-  std::vector<int8_t> hi(B * Kc * 4), lo(B * Kc * 4);
+  std::vector<int8_t> main_codes(B * Kc * 4), out_codes(B * Kc * 4);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t s = screened.size();
-    plan[b] = kHaveVnni ? plan_row(x + b * K, K, Kc, w2_max, hi.data() + s * Kc * 4, lo.data() + s * Kc * 4) : RowPlan{};
+    plan[b] = kHaveVnni ? plan_row(x + b * K, K, Kc, w2_max, main_codes.data() + s * Kc * 4, out_codes.data() + s * Kc * 4) : RowPlan{};
     if (plan[b].screened) {
       screen_index[b] = s;
       screened.push_back(plan[b]);
@@ -382,7 +424,7 @@ std::vector<paddle::Tensor> GreedyHead(const paddle::Tensor& hidden_in, const pa
   if (S > 0) {
     // Work items of consecutive tiles, ~4 per thread: each thread streams contiguous codes.
     const int64_t items = 4 * fd_kernels::Pool::instance().threads();
-    ScreenJob job{screen.data<uint8_t>(), m, T, Kc, static_cast<float>(2.0 * K * 0x1p-126), S, hi.data(), lo.data(),
+    ScreenJob job{screen.data<uint8_t>(), m, T, Kc, static_cast<float>(2.0 * K * 0x1p-126), S, main_codes.data(), out_codes.data(),
                   screened.data(), upper.data(), lower.data(), std::max<int64_t>(1, (T + items - 1) / items)};
     fd_kernels::Pool::instance().run((T + job.per_item - 1) / job.per_item, screen_item, &job);
   }
