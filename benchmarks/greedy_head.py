@@ -8,8 +8,10 @@
    full = ``argmax_rows(linear(h, W))`` (``fd_f32_linear`` + ``fd_argmax``, what a greedy step
    ran before), fast = ``greedy_lm_head`` (``fd_greedy_head``). Medians of ``--iters`` calls.
 3. Recomputed 32-column tiles per row on every recorded row (1536 = the whole row).
-4. Engine decode steps, batch 1 / 16 / 64, with and without the greedy head (wall ms per step,
-   medians; the machine is shared, so compare within one run).
+4. Engine decode steps, batch 1 / 16 / 64, with and without the greedy head, two runs each,
+   alternating (wall ms per step, medians; the machine is shared, so compare within one run),
+   on chat prompts and on random-token prompts (quick_bench's workload: its continuations are
+   flat distributions, where many rows recompute their whole row and the head gains little).
 Prints one block of text for benchmarks/greedy_head.md, with the machine load.
 """
 
@@ -49,14 +51,17 @@ def _load() -> str:
     return "load average %.2f / %.2f / %.2f" % os.getloadavg()
 
 
-def _median_ms(fn, iters: int) -> float:
+def _median_ms(fn, iters: int) -> tuple[float, float]:
+    """Median wall and process CPU ms of ``fn()`` (CPU time: all threads; with
+    FD_QUANT_KERNEL_THREADS=1 the work per call, which the machine's load distorts less)."""
     fn()
-    times = []
+    walls, cpus = [], []
     for _ in range(iters):
-        t = time.perf_counter()
+        w, c = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+        walls.append(time.perf_counter() - w)
+        cpus.append(time.process_time() - c)
+    return 1e3 * statistics.median(walls), 1e3 * statistics.median(cpus)
 
 
 def record_hidden(llm, steps: int):
@@ -82,8 +87,16 @@ def record_hidden(llm, steps: int):
     return np.concatenate(rows, axis=0), [o.outputs[0].text for o in outs]
 
 
-def engine_steps(llm, batch: int, tokens: int, greedy_head: bool) -> float:
-    """Median wall ms of the decode steps of ``batch`` requests (after every prompt is in)."""
+def chat_prompts(llm, batch: int) -> list[list[int]]:
+    """``batch`` chat prompts (PROMPTS, repeated with a numbered suffix) as token ids."""
+    tok = llm.engine.tokenizer
+    texts = [f"{PROMPTS[i % len(PROMPTS)]} ({i // len(PROMPTS) + 1})" for i in range(batch)]
+    return [list(tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))) for t in texts]
+
+
+def engine_steps(llm, batch: int, tokens: int, greedy_head: bool, random_tokens: bool) -> float:
+    """Median wall ms of the decode steps of ``batch`` requests (after every prompt is in):
+    chat prompts, or prompts of random token ids (quick_bench's workload)."""
     from fastdeploy_core import SamplingParams
     from fastdeploy_core.cli.bench import random_prompts
 
@@ -93,7 +106,8 @@ def engine_steps(llm, batch: int, tokens: int, greedy_head: bool) -> float:
         model.compute_greedy_tokens = None
     try:
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-        for prompt in random_prompts(batch, 16, engine.core.vocab_size, seed=batch):
+        prompts = random_prompts(batch, 16, engine.core.vocab_size, seed=batch) if random_tokens else chat_prompts(llm, batch)
+        for prompt in prompts:
             engine.add_request(prompt, params)
         times, decoding = [], False
         while engine.has_unfinished_requests():
@@ -114,6 +128,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24, help="tokens per prompt in the recorded decodes")
     parser.add_argument("--iters", type=int, default=30, help="head calls per timing")
     parser.add_argument("--engine-tokens", type=int, default=12, help="tokens per request in the engine comparison")
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine decode-step comparison")
     args = parser.parse_args()
 
     import numpy as np
@@ -134,13 +149,17 @@ def main() -> None:
 
     weight, state = head.weight, head.greedy_state
     rng = np.random.default_rng(0)
-    print("\nhead time, ms (median):   full (fd_f32_linear + fd_argmax)   fast (fd_greedy_head)")
+    threads = os.environ.get("FD_QUANT_KERNEL_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    print(f"\nhead, ms (medians; kernel threads {threads}):  full (fd_f32_linear + fd_argmax)  fast (fd_greedy_head)")
     for batch in (1, 16, 64):
         h = paddle.to_tensor(np.ascontiguousarray(hidden[rng.choice(hidden.shape[0], batch, replace=False)]))
         assert ops.greedy_lm_head(h, weight, None, state).tolist() == ops.argmax_rows(ops.linear(h, weight)).tolist()
         full = _median_ms(lambda: ops.argmax_rows(ops.linear(h, weight)), args.iters)
         fast = _median_ms(lambda: ops.greedy_lm_head(h, weight, None, state), args.iters)
-        print(f"  batch {batch:2d}: {full:7.2f} {fast:7.2f}   ({full / fast:.1f}x)   [{_load()}]")
+        print(
+            f"  batch {batch:2d}: wall {full[0]:6.2f} -> {fast[0]:6.2f} ({full[0] / fast[0]:.1f}x), "
+            f"cpu {full[1]:6.2f} -> {fast[1]:6.2f} ({full[1] / fast[1]:.1f}x)   [{_load()}]"
+        )
 
     _, tiles = _C_ops._run_custom_op("fd_greedy_head", paddle.to_tensor(hidden), weight, *state)
     tiles = tiles.numpy()
@@ -151,11 +170,19 @@ def main() -> None:
         f"max {tiles.max()}, whole-row fallbacks {(tiles == total).sum()}"
     )
 
-    print("\nengine decode step, wall ms (median):   logits + argmax   greedy head")
-    for batch in (1, 16, 64):
-        before = engine_steps(llm, batch, args.engine_tokens, greedy_head=False)
-        after = engine_steps(llm, batch, args.engine_tokens, greedy_head=True)
-        print(f"  batch {batch:2d}: {before:7.2f} {after:7.2f}   [{_load()}]")
+    if args.no_engine:
+        return
+    for random_tokens in (False, True):
+        what = "random-token prompts" if random_tokens else "chat prompts"
+        print(f"\nengine decode steps, {what}, wall ms (medians of two alternating runs each): logits path -> greedy head")
+        for batch in (1, 16, 64):
+            runs = []
+            for _ in range(2):
+                runs.append(engine_steps(llm, batch, args.engine_tokens, False, random_tokens))
+                runs.append(engine_steps(llm, batch, args.engine_tokens, True, random_tokens))
+            print(
+                f"  batch {batch:2d}: {runs[0]:7.2f} -> {runs[1]:7.2f}  |  {runs[2]:7.2f} -> {runs[3]:7.2f}   [{_load()}]"
+            )
 
 
 if __name__ == "__main__":
