@@ -101,3 +101,17 @@ def test_default_model_greedy_head_matches_the_logits_path(monkeypatch):
     Calls(model, monkeypatch, disable_greedy=True)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
+
+
+def test_a_quantized_head_keeps_logits_and_argmax(tiny_path, monkeypatch):
+    """wint8 stores the head as int8: no greedy state; greedy_tokens is argmax_rows of its logits."""
+    from fastdeploy_core.layers.linear import UnquantizedLinearMethod
+
+    core = make_core(tiny_path, quantization="wint8")
+    head = core.runner.model.lm_head
+    assert not isinstance(head.quant_method, UnquantizedLinearMethod) and head.greedy_state is None
+    fast = Calls(core.runner.model, monkeypatch)
+    got = _all(core, lambda i: greedy())
+    assert fast.greedy > 0 and fast.logits == 0
+    Calls(core.runner.model, monkeypatch, disable_greedy=True)
+    assert _all(core, lambda i: greedy()) == got
