@@ -122,17 +122,21 @@ def test_screen_recomputes_few_tiles(kernels):
         assert tiles.max() <= 3, tiles
 
 
-def test_non_finite_zero_and_flat_rows_take_the_whole_row(kernels):
+def test_non_finite_zero_tiny_and_huge_rows(kernels):
     x, packed = case(7, 9, 70)
     x[1, 3] = np.nan
     x[2, 5] = np.inf
     x[3, :] = np.nan
     x[4, :] = 0.0  # every logit 0: the first index
     x[5, 0] = -np.inf
+    x[6] *= np.float32(1e-37)  # products underflow: the bound's absolute term
+    x[7] *= np.float32(1e28)  # large but safely finite: screened as usual
+    x[8] *= np.float32(1e37)  # logits could overflow: the whole row
     state = kernels.fd_greedy_head_prepare(packed)
     tokens, tiles = greedy(kernels, x, packed, state)
     assert tokens.tolist() == full_path(kernels, x, packed).tolist()
     assert tiles[1:6].tolist() == [TILES] * 5
+    assert tiles[8] == TILES
     assert tokens[4] == 0
 
 

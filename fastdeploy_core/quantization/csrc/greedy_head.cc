@@ -29,11 +29,12 @@
 //    so by Cauchy-Schwarz |x . w_i - a_i| <= |x^|_2 |d_i|_2 + |e|_2 |w_i|_2.
 //    fd_f32_linear's float32 result f_i sums the K products in some order (one or two chains,
 //    with or without fused multiply-adds): |f_i - x . w_i| <= gamma_{K+1} sum_k |x_k w_ik| +
-//    2 K 2^-126 (Higham's bound for recursive summation, gamma_n = n u / (1 - n u), u = 2^-24,
-//    each of the at most K + 1 roundings of a term; the absolute term covers underflow, even
-//    flushed to zero), and sum_k |x_k w_ik| <= |x|_2 |w_i|_2. Hence
+//    (2 K + 2) 2^-126 (Higham's bound for recursive summation, gamma_n = n u / (1 - n u),
+//    u = 2^-24, each term passing through at most K + 1 roundings; the absolute term: each of
+//    the at most 2 K + 1 operations is off by less than 2^-126 more when its result underflows,
+//    even flushed to zero), and sum_k |x_k w_ik| <= |x|_2 |w_i|_2. Hence
 //       |f_i - a_i| <= E_i = A |d_i|_2 + B |w_i|_2 + C,
-//       A = |x^|_2,  B = |e|_2 + gamma_{K+1} |x|_2,  C = 2 K 2^-126,
+//       A = |x^|_2,  B = |e|_2 + gamma_{K+1} |x|_2,  C = (2 K + 2) 2^-126,
 //    with A, B per hidden row (computed in double from the actual codes, rounded up), |d_i|_2
 //    and |w_i|_2 per vocabulary row (prepare, in double, rounded up). The screen computes a_i
 //    and E_i in float32 (a few roundings each: error < 2^-20 of E_i, and of |a_i|'s two parts
@@ -424,7 +425,7 @@ std::vector<paddle::Tensor> GreedyHead(const paddle::Tensor& hidden_in, const pa
   if (S > 0) {
     // Work items of consecutive tiles, ~4 per thread: each thread streams contiguous codes.
     const int64_t items = 4 * fd_kernels::Pool::instance().threads();
-    ScreenJob job{screen.data<uint8_t>(), m, T, Kc, static_cast<float>(2.0 * K * 0x1p-126), S, main_codes.data(), out_codes.data(),
+    ScreenJob job{screen.data<uint8_t>(), m, T, Kc, static_cast<float>((2.0 * K + 2) * 0x1p-126), S, main_codes.data(), out_codes.data(),
                   screened.data(), upper.data(), lower.data(), std::max<int64_t>(1, (T + items - 1) / items)};
     fd_kernels::Pool::instance().run((T + job.per_item - 1) / job.per_item, screen_item, &job);
   }
