@@ -12,6 +12,9 @@
 
 namespace fd_kernels {
 
+// Output columns per tile of the packed layout [N / 32, K, 32].
+constexpr int64_t kTileColumns = 32;
+
 // Whether fd_f32_linear over M rows computes row m with two accumulation chains.
 bool f32_linear_two_chains(int64_t m, int64_t M);
 

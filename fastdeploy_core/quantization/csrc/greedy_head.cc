@@ -66,10 +66,11 @@
 #include "f32_tiles.h"
 #include "paddle/extension.h"
 #include "thread_pool.h"
+#include "vector_math.h"
 
 namespace {
 
-constexpr int64_t kCols = 32;               // vocabulary rows (weight columns) per tile
+constexpr int64_t kCols = fd_kernels::kTileColumns;  // vocabulary rows (weight columns) per tile
 constexpr int64_t kChunkBytes = kCols * 4;  // one screen chunk: 32 columns x 4 k
 constexpr int kOutliers = 16;               // largest |x_k| per row with their own int8 scale
 constexpr int64_t kMaxK = 65536;            // K * 255 * 127 < 2^31: int32 dot products are exact
@@ -78,7 +79,7 @@ constexpr int kMetaRows = 3;                // meta per tile: s_i, |d_i|_2, |w_i
 constexpr int64_t kFullRowFraction = 2;     // more than 1/2 of the tiles as candidates: whole row
 constexpr double kOverflowLimit = 0x1p124;  // |x|_2 max |w_i|_2 above this: whole row
 
-inline float ordered(float v) { return v != v ? -INFINITY : v; }  // fd_argmax's NaN rule
+using fd_kernels::ordered;  // fd_argmax's NaN rule
 
 // ---- prepare --------------------------------------------------------------------------------------
 

@@ -60,7 +60,7 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 enum class Kind { kInt8, kInt4, kFp8, kF32 };
 
-constexpr int64_t kCols = 32;  // output columns per tile: two vectors
+constexpr int64_t kCols = fd_kernels::kTileColumns;  // output columns per tile: two vectors
 constexpr int64_t kPrefetchRows = 16;  // weight rows a 1-2 row tile asks for ahead of its loads
 constexpr int kRows = 4;       // rows of x per tile (8 for float32 weights: no widening, more FMAs per load)
 template <Kind KIND>
