@@ -186,6 +186,27 @@ class ReferenceOps:
         """Greedy tokens: the index of each row's largest logit (the first on ties) as int64 ``[B]``."""
         return paddle.argmax(logits, axis=-1).numpy().reshape(-1)
 
+    def prepare_greedy_head(self, weight: paddle.Tensor):
+        """What :meth:`greedy_lm_head` needs besides the head's weight, built once after loading.
+
+        Called by the float32 LM head with its weight as :meth:`prepare_linear_weight` left it;
+        whatever it returns comes back as ``prepared``. ``None`` here: the reference computes
+        the logits.
+        """
+        return None
+
+    def greedy_lm_head(
+        self, hidden: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None, prepared=None
+    ) -> np.ndarray:
+        """Greedy tokens straight from the LM head: exactly ``argmax_rows(linear(hidden, weight, bias))``.
+
+        ``hidden [B, H]``, ``weight`` the float32 head in this table's linear layout, ``prepared``
+        :meth:`prepare_greedy_head`'s result. A table may skip most of the logits (only each
+        row's argmax is needed) but must return the very tokens of its own ``linear`` and
+        ``argmax_rows`` for the same batch, ties and NaN included.
+        """
+        return self.argmax_rows(self.linear(hidden, weight, bias))
+
     # ---- rotary position embedding --------------------------------------------------------
     def rotary_embedding(
         self,

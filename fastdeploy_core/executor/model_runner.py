@@ -296,9 +296,13 @@ class ModelRunner:
             return result
         rows = meta.query_start_loc[1:][sample_rows] - 1
         last_hidden = paddle.index_select(hidden, paddle.to_tensor(rows), axis=0)
-        logits = self.model.compute_logits(last_hidden)
         reqs = [out.scheduled[i][0] for i in sample_rows]
-        sampled = self.sampler(logits, reqs)
+        greedy_tokens = getattr(self.model, "compute_greedy_tokens", None)
+        if greedy_tokens is not None and self.sampler.all_plain_greedy(reqs):
+            # Only each row's argmax is needed: the device's greedy head may skip most logits.
+            sampled = self.sampler.greedy_output(greedy_tokens(last_hidden))
+        else:
+            sampled = self.sampler(self.model.compute_logits(last_hidden), reqs)
         for i, req, token, lp in zip(sample_rows, reqs, sampled.token_ids, sampled.logprobs):
             result[i] = token
             if lp is not None:

@@ -1,7 +1,8 @@
 """Token sampling from the logits of one step.
 
 Greedy batches (no penalties, no logprobs, nothing masked) take a fast path: one ``argmax`` on
-the device. Everything else runs on the host in numpy, one row per sequence (this is sampling,
+the device, or, when the model has ``compute_greedy_tokens`` (:meth:`Sampler.all_plain_greedy`
+tells the runner), no logits at all: the device's ``greedy_lm_head`` gives the tokens. Everything else runs on the host in numpy, one row per sequence (this is sampling,
 not the forward pass): repetition / frequency / presence penalties, ``bad_words``, masking of
 stop tokens before ``min_tokens``, temperature, top-k, top-p, min-p, then inverse-CDF sampling
 with a uniform drawn from the request's own ``numpy.random.Generator`` — so a seeded request
@@ -62,8 +63,20 @@ def _needs_host(req: Request) -> bool:
 class Sampler:
     """Samples one token per row of ``logits [B, V]`` for the requests ``reqs``."""
 
+    @staticmethod
+    def all_plain_greedy(reqs: list[Request]) -> bool:
+        """Whether every row is a plain argmax (greedy, no logprobs, penalties, bad words or
+        min_tokens mask): then only each row's argmax of the logits matters, and a model may
+        give the tokens without them (``compute_greedy_tokens``)."""
+        return not any(_needs_host(r) for r in reqs)
+
+    @staticmethod
+    def greedy_output(token_ids) -> SamplerOutput:
+        """The output of a plain greedy step whose tokens the model computed."""
+        return SamplerOutput([int(t) for t in token_ids], [None] * len(token_ids))
+
     def __call__(self, logits, reqs: list[Request]) -> SamplerOutput:
-        if not any(_needs_host(r) for r in reqs):
+        if self.all_plain_greedy(reqs):
             if isinstance(logits, np.ndarray):
                 ids = logits.argmax(axis=-1).reshape(-1)
             else:

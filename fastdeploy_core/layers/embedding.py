@@ -8,11 +8,12 @@ tensor at load time.
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 from paddle import nn
 
 from fastdeploy_core.devices.current import current_ops
-from fastdeploy_core.layers.linear import Linear
+from fastdeploy_core.layers.linear import Linear, UnquantizedLinearMethod
 from fastdeploy_core.layers.weights import copy_into, new_parameter
 
 
@@ -46,15 +47,38 @@ class VocabEmbedding(nn.Layer):
         return current_ops().embedding(ids, self.weight)
 
 
+class UnquantizedLMHeadMethod(UnquantizedLinearMethod):
+    """A float32 head: the device's linear layout plus its greedy-head state (``ops.prepare_greedy_head``)."""
+
+    def process_weights_after_loading(self, layer: LMHead) -> None:
+        super().process_weights_after_loading(layer)
+        layer.greedy_state = current_ops().prepare_greedy_head(layer.weight) if layer.bias is None else None
+
+
 class LMHead(Linear):
     """``hidden [B, H] -> logits [B, V]`` (float32), weight stored ``[H, V]``.
 
     Loaded from ``lm_head.weight`` (untied) or from the embedding tensor (tied); both arrive
     in the checkpoint's ``[V, H]`` layout. It is a :class:`Linear` named ``lm_head``, so a
     quantizer may give it a quantized method (weight-only methods store it as int8).
+    :meth:`greedy_tokens` gives the greedy tokens without the logits where the device can.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False, quant_config=None, prefix: str = "lm_head"):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         super().__init__(hidden_size, vocab_size, bias=bias, quant_config=quant_config, prefix=prefix)
+        self.greedy_state = None  # ops.prepare_greedy_head's result, set after loading
+        if type(self.quant_method) is UnquantizedLinearMethod:  # same weights, one more step after loading
+            self.quant_method = UnquantizedLMHeadMethod()
+
+    def greedy_tokens(self, hidden: paddle.Tensor) -> np.ndarray:
+        """Each row's argmax of ``self(hidden)`` (first index on ties) as int64 ``[B]``.
+
+        A float32 head asks the device's ``greedy_lm_head`` (which may skip most logits); a
+        quantized one computes its logits and takes ``argmax_rows``.
+        """
+        ops = current_ops()
+        if isinstance(self.quant_method, UnquantizedLinearMethod):
+            return ops.greedy_lm_head(hidden, self.weight, self.bias, self.greedy_state)
+        return ops.argmax_rows(self(hidden))

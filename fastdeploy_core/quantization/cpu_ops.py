@@ -197,6 +197,47 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             return ReferenceOps.argmax_rows(self, logits)
         return _run("fd_argmax", logits)[0].numpy()
 
+    #: ``FD_GREEDY_HEAD=0``: greedy steps compute the float32 logits (for comparisons).
+    greedy_head_screen = os.environ.get("FD_GREEDY_HEAD", "1") not in ("0", "")
+    #: Widest hidden size whose int8 dot products fit the kernel's int32 accumulators.
+    greedy_head_max_hidden = 65536
+
+    def prepare_greedy_head(self, weight: paddle.Tensor):
+        """``(screen, meta)`` of ``fd_greedy_head_prepare`` for a packed float32 head, else ``None``.
+
+        The screen is an int8 copy of the head (a quarter of its bytes) read with ``vpdpbusd``,
+        so it needs AVX-512 VNNI; a head with NaN or inf weights keeps the logits path (the
+        screen's error bound assumes finite weights).
+        """
+        if (
+            not self.greedy_head_screen
+            or weight.ndim != 3
+            or weight.dtype != paddle.float32
+            or int(weight.shape[1]) > self.greedy_head_max_hidden
+            or not has_avx512_vnni()
+            or not (self._have_kernels or self._ready())
+            or not bool(paddle.isfinite(weight).all())
+        ):
+            return None
+        screen, meta = _run("fd_greedy_head_prepare", weight)
+        return screen, meta
+
+    def greedy_lm_head(self, hidden, weight, bias=None, prepared=None) -> np.ndarray:
+        """``fd_greedy_head``: the int8 screen bounds every logit, only the tiles that may hold the
+        argmax are computed in float32 (with ``fd_f32_linear``'s loop, so the tokens are
+        ``argmax_rows(linear(...))``'s). SmolLM2's head: batch 1 ~0.9 instead of ~4.3 ms, batch 64
+        ~15 instead of ~36 (benchmarks/greedy_head.md)."""
+        if (
+            prepared is None
+            or bias is not None
+            or weight.ndim != 3
+            or hidden.ndim != 2
+            or hidden.dtype != paddle.float32
+            or not (self._have_kernels or self._ready())
+        ):
+            return ReferenceOps.greedy_lm_head(self, hidden, weight, bias, prepared)
+        return _run("fd_greedy_head", hidden, weight, *prepared)[0].numpy()
+
     @property
     def ragged_attention(self) -> bool:
         """With the kernels, attention costs what each sequence's own query rows cost, however a

@@ -236,6 +236,7 @@ OPS = (
     "rotary_embedding",
     "write_kv_cache",
     "argmax_rows",
+    "greedy_lm_head",
 )
 
 
@@ -334,7 +335,55 @@ def _run_op(op, ops, ref, rng, dtype):
             got.append(np.asarray(ops.argmax_rows(_to(x, "float32"))).astype(np.int64).reshape(-1))
             want.append(x.argmax(axis=-1).astype(np.int64))
         return got, want
+    if op == "greedy_lm_head":
+        # Greedy tokens from the LM head must be the table's own argmax_rows(linear(...)) for
+        # the same batch, exactly: through the layout and state the table prepares and without
+        # them. The head has an odd number of 32-column tiles; each row's best column has exact
+        # copies (a later and an earlier one: the first must win) and near-copies whose logits
+        # differ from it by float32 rounding only. Batches of 1, 3 and 9 rows.
+        got, want = [], []
+        cols = 32 * 7
+        for rows in (1, 3, 9):
+            x = rng.standard_normal((rows, H)).astype(f32)
+            w = _head_with_near_ties(rng, x, cols)
+            hidden = _to(x, dtype)
+            plain = _to(w, dtype)
+            prepared = ops.prepare_linear_weight(plain)
+            layouts = [(plain, None)]
+            if prepared is not None:
+                layouts.append((prepared, ops.prepare_greedy_head(prepared)))
+            for weight, state in layouts:
+                got.append(np.asarray(ops.greedy_lm_head(hidden, weight, None, state)).astype(np.int64).reshape(-1))
+                want.append(np.asarray(ops.argmax_rows(ops.linear(hidden, weight))).astype(np.int64).reshape(-1))
+        return got, want
     raise ValueError(f"unknown op {op!r}; known: {OPS}")
+
+
+def _head_with_near_ties(rng, x: np.ndarray, cols: int) -> np.ndarray:
+    """A head ``[H, cols]`` in which each row of ``x`` finds its best column copied exactly (once
+    before, once after it) and three times moved by about one ulp per weight orthogonally to
+    the row: those logits tie with the best in exact arithmetic and only float32 rounding
+    (the summation order) decides between them."""
+    hidden = x.shape[1]
+    w = (rng.standard_normal((hidden, cols)) / np.sqrt(hidden)).astype(np.float32)
+    taken: set[int] = set()
+    for row in x.astype(np.float64):
+        best = int(np.argmax(row @ w.astype(np.float64)))
+        if best in taken:
+            continue
+        free = [c for c in rng.permutation(cols) if c not in taken and c != best]
+        targets = [c for c in free if c < best][:1] + [c for c in free if c > best][:4]
+        column = w[:, best].astype(np.float64)
+        for i, target in enumerate(targets):
+            copy = column
+            if i >= 2:
+                v = rng.standard_normal(hidden)
+                v -= (v @ row) / (row @ row) * row
+                copy = column + v * np.abs(column) * 2.0**-23
+            w[:, target] = copy.astype(np.float32)
+            taken.add(target)
+        taken.add(best)
+    return w
 
 
 def _cpu(fn, *arrays):

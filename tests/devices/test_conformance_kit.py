@@ -70,6 +70,22 @@ def test_kit_refuses_a_device_it_cannot_reach(manager):
         checks.make_target(manager.devices.get("xpu"))
 
 
+def test_greedy_lm_head_check_catches_a_wrong_tie_rule(manager):
+    """The planted ties decide: taking the last of equal logits instead of the first fails the kit."""
+    import numpy as np
+
+    from fastdeploy_core.quantization.cpu_ops import CpuOps
+
+    class LastOnTies(CpuOps):
+        def greedy_lm_head(self, hidden, weight, bias=None, prepared=None):
+            logits = self.linear(hidden, weight, bias).numpy()[:, ::-1]
+            return logits.shape[1] - 1 - np.argmax(logits, axis=1)
+
+    target = checks.make_target(manager.devices.get("cpu"), ops_class=LastOnTies)
+    with pytest.raises(AssertionError, match="greedy_lm_head output"):
+        checks.check_op(target, "greedy_lm_head", "float32")
+
+
 def test_op_check_reports_what_differed(manager):
     from fd_nvidia.ops import NvidiaOps
 

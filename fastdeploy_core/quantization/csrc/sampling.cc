@@ -25,8 +25,7 @@ struct ArgmaxJob {
   int64_t rows, cols, rows_per_chunk;
 };
 
-// NaN reads as -inf: it never wins over a number.
-inline float ordered(float v) { return v != v ? -INFINITY : v; }
+using fd_kernels::ordered;
 
 int64_t argmax_row(const float* x, int64_t n) {
   int64_t i = 0, best = 0;

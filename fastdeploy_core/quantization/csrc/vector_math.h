@@ -22,6 +22,10 @@ inline f32x16 load16(const float* p) {
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// How fd_argmax orders values: NaN reads as -inf, so it never wins over a number (greedy_head.cc
+// reproduces fd_argmax's choice with the same rule).
+inline float ordered(float v) { return v != v ? -__builtin_inff() : v; }
+
 // The sum of v's 16 lanes.
 inline float hsum(f32x16 v) {
 #if defined(__AVX512F__)

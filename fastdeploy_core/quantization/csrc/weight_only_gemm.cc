@@ -49,6 +49,7 @@
 #include <thread>
 #include <vector>
 
+#include "f32_tiles.h"
 #include "paddle/extension.h"
 #include "graph.h"
 #include "thread_pool.h"
@@ -60,7 +61,7 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 enum class Kind { kInt8, kInt4, kFp8, kF32 };
 
-constexpr int64_t kCols = 32;  // output columns per tile: two vectors
+constexpr int64_t kCols = fd_kernels::kTileColumns;  // output columns per tile: two vectors
 constexpr int64_t kPrefetchRows = 16;  // weight rows a 1-2 row tile asks for ahead of its loads
 constexpr int kRows = 4;       // rows of x per tile (8 for float32 weights: no widening, more FMAs per load)
 template <Kind KIND>
@@ -154,8 +155,13 @@ struct Problem {
   int64_t row_bytes, tile_bytes;
 };
 
+// Whether a tile of ROWS rows splits each accumulator into two dependency chains (even and
+// odd k, summed at the end): the default for 1-2 rows. Rows of one tile never interact, so a
+// row's float32 result depends only on this choice (fd_f32_linear_tile relies on that).
+constexpr bool two_chains_for(int rows) { return rows <= 2; }
+
 // One tile: ROWS rows of x (starting at row m) times columns [n0, n0 + 32) of W.
-template <int ROWS, Kind KIND>
+template <int ROWS, Kind KIND, bool TWO_CHAINS = two_chains_for(ROWS)>
 void tile(const Problem& p, int64_t m, int64_t n0) {
   const int64_t K = p.K, N = p.N;
   const float* x = p.x + m * K;
@@ -167,7 +173,7 @@ void tile(const Problem& p, int64_t m, int64_t n0) {
     const int64_t k_begin = g * p.group, k_end = std::min(K, k_begin + p.group);
     // With few rows the multiply-adds of consecutive k would form one dependency chain per
     // accumulator (4-cycle FMA latency); a second accumulator set lets two k run at once.
-    constexpr bool kTwoChains = ROWS <= 2;
+    constexpr bool kTwoChains = TWO_CHAINS;
     f32x16 acc2[ROWS][2];
     for (int r = 0; r < ROWS; ++r) acc2[r][0] = acc2[r][1] = f32x16{};
     if constexpr (KIND == Kind::kInt4) {
@@ -306,6 +312,7 @@ void gemm(Problem p) {
     for (int64_t t = c * j.per_chunk; t < std::min(j.full_tiles, (c + 1) * j.per_chunk); ++t) {
       const int64_t n0 = t * kCols;
       int64_t m = 0;
+      // Row blocking (which rows land in a 1-2 row tile) is mirrored by fd_kernels::f32_linear_two_chains.
       constexpr int R = kRowsFor<KIND>;
       for (; m + R <= q.M; m += R) tile<R, KIND>(q, m, n0);
       switch (q.M - m) {
@@ -1009,6 +1016,42 @@ std::vector<paddle::Tensor> F32Linear(const paddle::Tensor& x_in, const paddle::
   });
   return {out};
 }
+
+namespace fd_kernels {
+
+bool f32_linear_two_chains(int64_t m, int64_t M) {
+  constexpr int64_t R = kRowsFor<Kind::kF32>;
+  const int64_t rest = M % R;  // gemm's last tile holds the rest rows; all others hold R
+  return m >= M - rest && two_chains_for(static_cast<int>(rest));
+}
+
+void f32_linear_tile(const float* x, int64_t rows, int64_t K, const float* w_packed, int64_t t, bool two_chains,
+                     float* y) {
+  constexpr int64_t kTileBytes = kCols * kElem<Kind::kF32>;
+  // N = 32 and n0 = 0 with the weights of tile t: y is [rows, 32] and the loop is gemm's own.
+  const Problem p{x, rows, K, kCols, reinterpret_cast<const uint8_t*>(w_packed) + t * K * kTileBytes, nullptr,
+                  nullptr, nullptr, 1, std::max<int64_t>(K, 1), y, kTileBytes, K * kTileBytes};
+  if (two_chains) {
+    PD_CHECK(rows <= 2, "f32_linear_tile: two accumulation chains are used by tiles of 1-2 rows only");
+    if (rows == 2) tile<2, Kind::kF32, true>(p, 0, 0);
+    if (rows == 1) tile<1, Kind::kF32, true>(p, 0, 0);
+    return;
+  }
+  int64_t m = 0;
+  for (; m + 8 <= rows; m += 8) tile<8, Kind::kF32, false>(p, m, 0);
+  switch (rows - m) {
+    case 7: tile<7, Kind::kF32, false>(p, m, 0); break;
+    case 6: tile<6, Kind::kF32, false>(p, m, 0); break;
+    case 5: tile<5, Kind::kF32, false>(p, m, 0); break;
+    case 4: tile<4, Kind::kF32, false>(p, m, 0); break;
+    case 3: tile<3, Kind::kF32, false>(p, m, 0); break;
+    case 2: tile<2, Kind::kF32, false>(p, m, 0); break;
+    case 1: tile<1, Kind::kF32, false>(p, m, 0); break;
+    default: break;
+  }
+}
+
+}  // namespace fd_kernels
 
 int64_t out_features(const std::vector<int64_t>& w) { return w.size() >= 3 ? w[0] * kCols : w[1]; }
 

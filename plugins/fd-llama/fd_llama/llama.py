@@ -160,7 +160,8 @@ class LlamaForCausalLM(nn.Layer):
     """Llama causal LM over a paged KV cache.
 
     ``forward(meta, kv_caches) -> hidden [T, H]`` for the step's flattened tokens;
-    ``compute_logits(hidden [B, H]) -> [B, V]`` float32; ``load_weights`` takes
+    ``compute_logits(hidden [B, H]) -> [B, V]`` float32; ``compute_greedy_tokens(hidden [B, H])
+    -> int64 [B]`` (its argmax, possibly without all the logits); ``load_weights`` takes
     ``(hf_name, numpy array)`` pairs.
     """
 
@@ -191,6 +192,11 @@ class LlamaForCausalLM(nn.Layer):
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         return self.lm_head(hidden)
+
+    def compute_greedy_tokens(self, hidden: paddle.Tensor) -> np.ndarray:
+        """``argmax(compute_logits(hidden))`` per row (first index on ties) as int64 ``[B]``; the
+        runner calls it when every sampled request of a step is plain greedy."""
+        return self.lm_head.greedy_tokens(hidden)
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """``(num_layers, num_kv_heads, head_dim)`` of the paged KV cache this model needs."""
