@@ -48,7 +48,8 @@ PROMPTS = [
 
 
 def _load() -> str:
-    return "load average %.2f / %.2f / %.2f" % os.getloadavg()
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f}"
 
 
 def _median_ms(fn, iters: int) -> tuple[float, float]:
@@ -106,7 +107,9 @@ def engine_steps(llm, batch: int, tokens: int, greedy_head: bool, random_tokens:
         model.compute_greedy_tokens = None
     try:
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-        prompts = random_prompts(batch, 16, engine.core.vocab_size, seed=batch) if random_tokens else chat_prompts(llm, batch)
+        prompts = (
+            random_prompts(batch, 16, engine.core.vocab_size, seed=batch) if random_tokens else chat_prompts(llm, batch)
+        )
         for prompt in prompts:
             engine.add_request(prompt, params)
         times, decoding = [], False
@@ -139,7 +142,9 @@ def main() -> None:
     from fastdeploy_core.devices.current import current_ops
 
     print(_load())
-    llm = LLM(max_model_len=512, num_gpu_blocks_override=64 * 512 // 64 + 16, max_num_seqs=64, enable_prefix_caching=False)
+    llm = LLM(
+        max_model_len=512, num_gpu_blocks_override=64 * 512 // 64 + 16, max_num_seqs=64, enable_prefix_caching=False
+    )
     head = llm.engine.core.runner.model.lm_head
     ops = current_ops()
     if head.greedy_state is None:
@@ -154,8 +159,8 @@ def main() -> None:
     for batch in (1, 16, 64):
         h = paddle.to_tensor(np.ascontiguousarray(hidden[rng.choice(hidden.shape[0], batch, replace=False)]))
         assert ops.greedy_lm_head(h, weight, None, state).tolist() == ops.argmax_rows(ops.linear(h, weight)).tolist()
-        full = _median_ms(lambda: ops.argmax_rows(ops.linear(h, weight)), args.iters)
-        fast = _median_ms(lambda: ops.greedy_lm_head(h, weight, None, state), args.iters)
+        full = _median_ms(lambda h=h: ops.argmax_rows(ops.linear(h, weight)), args.iters)
+        fast = _median_ms(lambda h=h: ops.greedy_lm_head(h, weight, None, state), args.iters)
         print(
             f"  batch {batch:2d}: wall {full[0]:6.2f} -> {fast[0]:6.2f} ({full[0] / fast[0]:.1f}x), "
             f"cpu {full[1]:6.2f} -> {fast[1]:6.2f} ({full[1] / fast[1]:.1f}x)   [{_load()}]"
@@ -174,7 +179,9 @@ def main() -> None:
         return
     for random_tokens in (False, True):
         what = "random-token prompts" if random_tokens else "chat prompts"
-        print(f"\nengine decode steps, {what}, wall ms (medians of two alternating runs each): logits path -> greedy head")
+        print(
+            f"\nengine decode steps, {what}, wall ms (medians of two alternating runs each): logits path -> greedy head"
+        )
         for batch in (1, 16, 64):
             runs = []
             for _ in range(2):

@@ -186,7 +186,7 @@ class ReferenceOps:
         """Greedy tokens: the index of each row's largest logit (the first on ties) as int64 ``[B]``."""
         return paddle.argmax(logits, axis=-1).numpy().reshape(-1)
 
-    def prepare_greedy_head(self, weight: paddle.Tensor):
+    def prepare_greedy_head(self, weight: paddle.Tensor) -> tuple | None:
         """What :meth:`greedy_lm_head` needs besides the head's weight, built once after loading.
 
         Called by the float32 LM head with its weight as :meth:`prepare_linear_weight` left it;

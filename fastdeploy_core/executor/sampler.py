@@ -2,8 +2,9 @@
 
 Greedy batches (no penalties, no logprobs, nothing masked) take a fast path: one ``argmax`` on
 the device, or, when the model has ``compute_greedy_tokens`` (:meth:`Sampler.all_plain_greedy`
-tells the runner), no logits at all: the device's ``greedy_lm_head`` gives the tokens. Everything else runs on the host in numpy, one row per sequence (this is sampling,
-not the forward pass): repetition / frequency / presence penalties, ``bad_words``, masking of
+tells the runner), no logits at all: the device's ``greedy_lm_head`` gives the tokens.
+Everything else runs on the host in numpy, one row per sequence (this is sampling, not the
+forward pass): repetition / frequency / presence penalties, ``bad_words``, masking of
 stop tokens before ``min_tokens``, temperature, top-k, top-p, min-p, then inverse-CDF sampling
 with a uniform drawn from the request's own ``numpy.random.Generator`` — so a seeded request
 draws exactly one number per generated token and gets the same tokens whatever else is in

@@ -69,7 +69,8 @@ class LMHead(Linear):
         self.hidden_size = hidden_size
         super().__init__(hidden_size, vocab_size, bias=bias, quant_config=quant_config, prefix=prefix)
         self.greedy_state = None  # ops.prepare_greedy_head's result, set after loading
-        if type(self.quant_method) is UnquantizedLinearMethod:  # same weights, one more step after loading
+        # The default float32 method: the same weights and apply, plus the greedy state after loading.
+        if type(self.quant_method) is UnquantizedLinearMethod:
             self.quant_method = UnquantizedLMHeadMethod()
 
     def greedy_tokens(self, hidden: paddle.Tensor) -> np.ndarray:

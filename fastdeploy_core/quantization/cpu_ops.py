@@ -202,7 +202,7 @@ class CpuOps(CpuQuantOps, ReferenceOps):
     #: Widest hidden size whose int8 dot products fit the kernel's int32 accumulators.
     greedy_head_max_hidden = 65536
 
-    def prepare_greedy_head(self, weight: paddle.Tensor):
+    def prepare_greedy_head(self, weight: paddle.Tensor) -> tuple | None:
         """``(screen, meta)`` of ``fd_greedy_head_prepare`` for a packed float32 head, else ``None``.
 
         The screen is an int8 copy of the head (a quarter of its bytes) read with ``vpdpbusd``,

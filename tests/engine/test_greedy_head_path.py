@@ -79,7 +79,9 @@ def test_a_request_needing_the_logits_keeps_the_step_on_the_sampler(tiny_path, m
     plain = _all(core, lambda i: greedy())
     calls = Calls(core.runner.model, monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **extra)
-    outs = run(core, [("needs_logits", PROMPTS[0] * 3, params)] + [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    outs = run(
+        core, [("needs_logits", PROMPTS[0] * 3, params)] + [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
+    )
     assert calls.greedy == 0 and calls.logits > 0
     assert {i: tokens(outs, f"r{i}") for i in range(len(PROMPTS))} == plain
 

@@ -125,8 +125,8 @@ struct RowPlan {
   float sm = 1.f, so = 1.f;  // scales of the main and the outlier codes
   float A = 0.f, B = 0.f;    // the bound's coefficients
   int32_t sum_main = 0, sum_out = 0;
-  int32_t num_chunks = 0;                 // chunks (4 k) holding outlier channels, ascending:
-  int32_t chunks[kOutliers] = {};
+  int32_t num_chunks = 0;                 // how many chunks (of 4 k) hold outlier channels,
+  int32_t chunks[kOutliers] = {};         // and which, ascending
 };
 
 // The magnitude below which a channel is "main": the (kOutliers + 1)-th largest |x_k| (0 when
