@@ -295,7 +295,10 @@ class ModelRunner:
         if not sample_rows:
             return result
         rows = meta.query_start_loc[1:][sample_rows] - 1
-        last_hidden = paddle.index_select(hidden, paddle.to_tensor(rows), axis=0)
+        if len(rows) == meta.num_tokens:  # every row is a sequence's last token (a decode step)
+            last_hidden = hidden
+        else:
+            last_hidden = paddle.index_select(hidden, paddle.to_tensor(rows), axis=0)
         reqs = [out.scheduled[i][0] for i in sample_rows]
         greedy_tokens = getattr(self.model, "compute_greedy_tokens", None)
         if greedy_tokens is not None and self.sampler.all_plain_greedy(reqs):
