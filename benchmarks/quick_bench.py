@@ -124,7 +124,7 @@ def run_engine(args) -> list[dict]:
                 engine.add_request(prompt, params)
             ops = count_paddle_ops(lambda: [engine.step() for _ in iter(engine.has_unfinished_requests, False)])
         r = _summary(name, batch, steps, batch if decode else batch * prompt_len)
-        r["ops_per_step"] = sum(ops.values()) if ops else None
+        r["ops_per_step"] = sum(ops.values()) if ops is not None else None
         r["top_ops"] = dict(ops.most_common(12)) if ops else {}
         results.append(r)
         print(
