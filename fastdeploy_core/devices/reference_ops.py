@@ -51,8 +51,9 @@ class CapturedGraph:
         self.reason = reason
         #: Bytes the graph keeps for its intermediate results (0 if unknown or none).
         self.arena_bytes = 0
-        #: Whether recording the same work again (``capture_graph(..., previous=this)``) would
-        #: gain nothing; a device that improves on a second recording sets it on that one.
+        #: False: record the same work again (``capture_graph(..., previous=this)``) before
+        #: replaying; this graph may hold only what the device learned (the cpu kernels: a
+        #: memory plan) and not be replayable itself.
         self.planned = True
         self._replay = replay_fn
         self._release = release_fn

@@ -149,8 +149,9 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         """Record the forward's kernel calls (``csrc/graph.h``): replaying them skips Paddle's
         dispatch and the Python layers, ~8 us per op, ~2 ms of a batch-1 step. The recording is
         refused (``ok`` false, the reason given) when any op of the forward is not one of these
-        kernels, since a replay would skip it. Given ``previous`` (a replayable recording of the
-        same work) the activations go to one arena planned from it (``planned``, ``arena_bytes``)."""
+        kernels, since a replay would skip it. A first recording keeps only the memory plan of
+        its activations (``planned`` false, not replayable); recorded again with it as
+        ``previous``, the activations go to one arena laid out by that plan (``arena_bytes``)."""
         if not (self._have_kernels or self._ready()):
             return ReferenceOps.capture_graph(self, forward, static_tensors, previous)
         plan = getattr(previous, "handle", None) if previous is not None and not previous.planned else None

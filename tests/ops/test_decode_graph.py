@@ -136,8 +136,14 @@ def test_replay_reads_refreshed_inputs_and_kernel_bound_checks_still_fire(ops):
     table = paddle.to_tensor(np.arange(40, dtype=np.float32).reshape(10, 4))
     ids_host = np.array([1, 2, 3], dtype=np.int64)
     ids = paddle.utils.dlpack.from_dlpack(ids_host)
-    graph = ops.capture_graph(lambda: ops.rms_norm(ops.embedding(ids, table), weight, 1e-6), [table, weight, ids])
-    assert graph.ok, graph.reason
+    forward = lambda: ops.rms_norm(ops.embedding(ids, table), weight, 1e-6)  # noqa: E731
+    plan = ops.capture_graph(forward, [table, weight, ids])
+    assert plan.ok and not plan.planned, plan.reason
+    with pytest.raises(Exception, match="holds only a memory plan"):
+        plan.replay()
+    graph = ops.capture_graph(forward, [table, weight, ids], previous=plan)
+    plan.release()
+    assert graph.ok and graph.planned, graph.reason
     first = graph.output.numpy().copy()
     ids_host[:] = [9, 0, 4]
     out = graph.replay().numpy()

@@ -4,7 +4,8 @@
 //                                      recording of the same forward whose arena plan to use
 //   ... the forward, whose ops of this library record themselves ...
 //   fd_graph_end(forward's output)  -> int64 [1]: the graph's handle; raises with the reason
-//                                      when the recording cannot be replayed
+//                                      when the recording cannot be replayed. A first recording
+//                                      (plan 0) keeps only its memory plan, not its steps
 //   fd_graph_replay(handle)         -> int64 [1]: the handle (runs every recorded step)
 //   fd_graph_arena_bytes(handle)    -> int64 [1]: bytes of a planned graph's activation arena
 //   fd_graph_release(handle)        -> int64 [1]: 1 if a graph was released
@@ -90,6 +91,10 @@ std::vector<paddle::Tensor> GraphEnd(const paddle::Tensor& output) {
       if (g->allocs[i].begin <= out.begin && out.end <= g->allocs[i].end) keep_alive = static_cast<int64_t>(i);
     g->keep_alive = keep_alive;
     g->arena_bytes = fd_graph::plan_arena(*g, keep_alive, &g->offsets);
+    // Keep only the plan: the steps would hold one buffer per op until the second recording.
+    g->steps.clear();
+    g->keep.clear();
+    g->plan_only = true;
   }
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
@@ -102,6 +107,7 @@ std::vector<paddle::Tensor> GraphReplay(const paddle::Tensor& handle) {
   PD_CHECK(fd_graph::recording() == nullptr, "cannot replay a graph while recording one");
   const int64_t id = handle_of(handle);
   const std::shared_ptr<fd_graph::Graph> g = find(id);
+  PD_CHECK(!g->plan_only, "graph ", id, " holds only a memory plan: record the forward again with it as `plan`");
   for (const auto& step : g->steps) step();
   return {scalar(id)};
 }

@@ -9,8 +9,8 @@
 // ids, positions, slots, block tables, sequence lengths) and replays.
 //
 // Memory: a first recording notes every output the ops allocate through fd_graph::empty and the
-// last step that reads it; fd_graph_end turns that into a plan: offsets in one arena where
-// outputs whose lifetimes do not overlap share bytes. A second recording of the same work (the
+// last step that reads it; fd_graph_end turns that into a plan (offsets in one arena where
+// outputs whose lifetimes do not overlap share bytes) and drops the steps and their buffers. A second recording of the same work (the
 // next step of that batch size: fd_graph_begin with the first graph's handle as `plan`)
 // allocates its outputs at those offsets, so a replayed step's activations take a few layers'
 // worth of memory and stay warm in cache, instead of one buffer per op.
@@ -64,7 +64,8 @@ struct Graph {
   std::vector<int64_t> offsets;
   std::shared_ptr<Arena> arena;  // freed with the graph: only its steps hold tensors on it
   int64_t arena_bytes = 0;
-  int64_t keep_alive = -1;  // the allocation of the forward's output: a normal tensor, not on the arena
+  int64_t keep_alive = -1;
+  bool plan_only = false;  // a first recording after fd_graph_end: the plan, no steps  // the allocation of the forward's output: a normal tensor, not on the arena
   size_t next_alloc = 0;
 };
 
