@@ -345,7 +345,7 @@ def _run_op(op, ops, ref, rng, dtype):
         cols = 32 * 7
         for rows in (1, 3, 9):
             x = rng.standard_normal((rows, H)).astype(f32)
-            w = _head_with_near_ties(rng, x, cols)
+            w = head_with_near_ties(rng, x, cols)
             hidden = _to(x, dtype)
             plain = _to(w, dtype)
             prepared = ops.prepare_linear_weight(plain)
@@ -359,15 +359,15 @@ def _run_op(op, ops, ref, rng, dtype):
     raise ValueError(f"unknown op {op!r}; known: {OPS}")
 
 
-def _head_with_near_ties(rng, x: np.ndarray, cols: int) -> np.ndarray:
-    """A head ``[H, cols]`` in which each row of ``x`` finds its best column copied exactly (once
-    before, once after it) and three times moved by about one ulp per weight orthogonally to
-    the row: those logits tie with the best in exact arithmetic and only float32 rounding
-    (the summation order) decides between them."""
+def head_with_near_ties(rng, x: np.ndarray, cols: int, max_rows: int | None = None) -> np.ndarray:
+    """A head ``[H, cols]`` in which each row of ``x`` (the first ``max_rows``) finds its best
+    column copied exactly (once before, once after it) and three times moved by about one ulp
+    per weight orthogonally to the row: those logits tie with the best in exact arithmetic and
+    only float32 rounding (the summation order) decides between them."""
     hidden = x.shape[1]
     w = (rng.standard_normal((hidden, cols)) / np.sqrt(hidden)).astype(np.float32)
     taken: set[int] = set()
-    for row in x.astype(np.float64):
+    for row in x[:max_rows].astype(np.float64):
         best = int(np.argmax(row @ w.astype(np.float64)))
         if best in taken:
             continue

@@ -24,6 +24,7 @@ from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.quantization.base import pack_column_tiles
 from fastdeploy_core.quantization.cpu_ops import CpuOps
 from fastdeploy_core.quantization.kernels import has_avx512_vnni, kernel_failure, load_kernels
+from fastdeploy_core.testing.checks import head_with_near_ties
 
 TILES = 37  # an odd number of 32-column tiles
 V = 32 * TILES
@@ -47,31 +48,11 @@ def greedy(kernels, x: np.ndarray, packed: paddle.Tensor, state) -> tuple[np.nda
 
 
 def head_with_ties(rng, x: np.ndarray, K: int) -> np.ndarray:
-    """A random head ``[K, V]`` where the best column of each of the first rows of ``x`` has an
-    exact copy before and after it and three near-copies: the column plus a perturbation of
-    about one ulp per weight orthogonal to the row, so that the exact logits differ by less
-    than float32 rounding and which one comes out larger depends on the summation order."""
-    w = (rng.standard_normal((K, V)) / np.sqrt(K)).astype(np.float32)
-    taken: set[int] = set()
-    for r in range(min(len(x), 12)):
-        row = x[r].astype(np.float64)
-        best = int(np.argmax(row @ w.astype(np.float64)))
-        if best in taken:
-            continue
-        free = [c for c in rng.permutation(V) if c not in taken and c != best]
-        before = [c for c in free if c < best][:1]
-        after = [c for c in free if c > best][:4]
-        column = w[:, best].astype(np.float64)
-        for i, target in enumerate(before + after):
-            copy = column
-            if i >= 2:
-                v = rng.standard_normal(K)
-                v -= (v @ row) / (row @ row) * row
-                copy = column + v * np.abs(column) * 2.0**-23
-            w[:, target] = copy.astype(np.float32)
-            taken.add(target)
-        taken.add(best)
-    return w
+    """The conformance kit's head with planted ties and near-ties for the first 12 rows of ``x``:
+    the best column of each has an exact copy before and after it and three near-copies that
+    only float32 rounding (the summation order) tells apart from it."""
+    assert x.shape[1] == K
+    return head_with_near_ties(rng, x, V, max_rows=12)
 
 
 def case(seed: int, batch: int, K: int):
