@@ -28,15 +28,15 @@ from fastdeploy_core.executor.forward_meta import ForwardMeta
 logger = logging.getLogger(__name__)
 
 
-
 class _StaticInput:
-    """An int64 tensor whose buffer stays put: on a host device it shares memory with a numpy
-    array (refreshing it is a numpy copy), elsewhere it is refreshed with ``set_value``."""
+    """An int64 tensor whose buffer stays put. On a host device it is a view of a numpy array
+    (refreshing it is a numpy copy; the graphs of all batch sizes view one array each, the first
+    ``batch`` rows); elsewhere it is its own tensor, refreshed with ``set_value``."""
 
-    def __init__(self, shape: tuple[int, ...], on_host: bool):
-        if on_host:
-            self.host = np.zeros(shape, dtype=np.int64)
-            self.tensor = paddle.utils.dlpack.from_dlpack(self.host)
+    def __init__(self, shape: tuple[int, ...], host: np.ndarray | None):
+        if host is not None:
+            self.host = host
+            self.tensor = paddle.utils.dlpack.from_dlpack(host)
         else:
             self.host = None
             self.tensor = paddle.zeros(list(shape), dtype="int64")
@@ -48,20 +48,38 @@ class _StaticInput:
             self.tensor.set_value(np.asarray(array, dtype=np.int64))
 
 
+class _HostInputs:
+    """The host arrays behind every batch size's static inputs (a step of size B uses the first
+    B rows): one set, however many sizes are captured."""
+
+    def __init__(self, max_batch: int, table_width: int):
+        self.ids = np.zeros(max_batch, dtype=np.int64)
+        self.positions = np.zeros(max_batch, dtype=np.int64)
+        self.slots = np.zeros(max_batch, dtype=np.int64)
+        self.query_start = np.arange(max_batch + 1, dtype=np.int64)
+        self.seq_lens = np.zeros(max_batch, dtype=np.int64)
+        self.tables = np.zeros((max_batch, table_width), dtype=np.int64)
+
+
 class _Graph:
     """One batch size: its static inputs, the meta built on them, and the captured forward."""
 
-    def __init__(self, batch: int, table_width: int, block_size: int, on_host: bool):
+    def __init__(self, batch: int, table_width: int, block_size: int, host: _HostInputs | None):
         self.batch = batch
-        self.ids = _StaticInput((batch,), on_host)
-        self.positions = _StaticInput((batch,), on_host)
-        self.slots = _StaticInput((batch,), on_host)
-        self.query_start = _StaticInput((batch + 1,), on_host)
-        self.seq_lens = _StaticInput((batch,), on_host)
-        self.tables = _StaticInput((batch, table_width), on_host)
-        self._tables_host = np.zeros((batch, table_width), dtype=np.int64)
+
+        def static(name: str, shape: tuple[int, ...]) -> _StaticInput:
+            return _StaticInput(shape, getattr(host, name)[: shape[0]] if host is not None else None)
+
+        self.ids = static("ids", (batch,))
+        self.positions = static("positions", (batch,))
+        self.slots = static("slots", (batch,))
+        self.query_start = static("query_start", (batch + 1,))
+        self.seq_lens = static("seq_lens", (batch,))
+        self.tables = static("tables", (batch, table_width))
+        # What the Python forward sees of the tables and lengths while it is recorded.
+        self._tables_host = self.tables.host if host is not None else np.zeros((batch, table_width), dtype=np.int64)
+        self._seq_lens_host = self.seq_lens.host if host is not None else np.zeros(batch, dtype=np.int64)
         self.query_start.write(np.arange(batch + 1))
-        self._seq_lens_host = np.zeros(batch, dtype=np.int64)
         self.meta = ForwardMeta(
             input_ids=self.ids.tensor,
             positions=self.positions.tensor,
@@ -88,11 +106,12 @@ class _Graph:
         self.positions.write(meta.positions)
         self.slots.write(meta.slot_mapping)
         self._seq_lens_host[:] = meta.seq_lens
-        self.seq_lens.write(self._seq_lens_host)
         width = meta.block_tables.shape[1]
         self._tables_host[:, :width] = meta.block_tables
         self._tables_host[:, width:] = 0
-        self.tables.write(self._tables_host)
+        if self.seq_lens.host is None:  # device buffers: the host copies go over
+            self.seq_lens.write(self._seq_lens_host)
+            self.tables.write(self._tables_host)
 
 
 class DecodeGraphs:
@@ -106,7 +125,8 @@ class DecodeGraphs:
         self.block_size = block_size
         self.table_width = -(-max_model_len // block_size)
         first_cache = _flatten(kv_caches)[:1]
-        self.on_host = bool(first_cache) and first_cache[0].place.is_cpu_place()
+        on_host = bool(first_cache) and first_cache[0].place.is_cpu_place()
+        self._host = _HostInputs(max(self.capture_sizes, default=0), self.table_width) if on_host else None
         self.disabled_reason: str | None = None
         self._graphs: dict[int, _Graph] = {}
         self._weights: list | None = None
@@ -130,7 +150,7 @@ class DecodeGraphs:
             return None  # more blocks than max_model_len needs (the caller runs this step eagerly)
         graph = self._graphs.get(batch)
         if graph is None:
-            graph = self._graphs[batch] = _Graph(batch, self.table_width, self.block_size, self.on_host)
+            graph = self._graphs[batch] = _Graph(batch, self.table_width, self.block_size, self._host)
         graph.load(meta)
         if graph.captured is None or not graph.captured.planned:
             return self._capture(graph)

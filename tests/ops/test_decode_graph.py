@@ -303,3 +303,25 @@ def test_the_engine_replays_decode_steps_of_every_batch_size_and_says_so(tmp_pat
             assert runner.describe()["graph_capture"] == "decode batch sizes 1-4"
             assert runner.graphs.captured_sizes  # the batch shrinks 3 -> 2 -> 1 as requests finish
     assert outs[False] == outs[True] and len(outs[False]["2"]) == 12
+
+
+def test_batch_sizes_share_the_static_inputs_and_interleave(ops):
+    model = _model(None)
+    eager_caches, graph_caches = _caches(model), _caches(model)
+    graphs = DecodeGraphs(model, ops, graph_caches, [1, 2], max_model_len=28, block_size=BLOCK)
+    tables = [[3, 9, 1, 12, 5, 7, 2], [8, 4, 11, 6, 10, 13, 14]]
+    lengths = [5, 3]
+    with paddle.no_grad():
+        for caches in (eager_caches, graph_caches):
+            model(build_meta([([7, 1, 9, 4, 2], 0, tables[0][:2]), ([6, 6, 3], 0, tables[1][:1])], BLOCK), caches)
+        for step in range(9):
+            active = [0, 1] if step % 3 else [0]  # sizes 2, 2, 1, 2, 2, 1, ...
+            chunks = [([step + s], lengths[s], tables[s][: lengths[s] // BLOCK + 1]) for s in active]
+            eager = model(build_meta(chunks, BLOCK), eager_caches).numpy()
+            np.testing.assert_array_equal(graphs.run(_host(build_meta(chunks, BLOCK))).numpy(), eager)
+            for s in active:
+                lengths[s] += 1
+    assert graphs.captured_sizes == [1, 2]
+    for (ek, ev), (gk, gv) in zip(eager_caches, graph_caches):
+        np.testing.assert_array_equal(gk.numpy(), ek.numpy())
+        np.testing.assert_array_equal(gv.numpy(), ev.numpy())
