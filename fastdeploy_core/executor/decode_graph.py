@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 class _StaticInput:
     """An int64 tensor whose buffer stays put. On a host device it is a view of a numpy array
     (refreshing it is a numpy copy; the graphs of all batch sizes view one array each, the first
-    ``batch`` rows); elsewhere it is its own tensor, refreshed with ``set_value``."""
+    ``batch`` rows); elsewhere it is its own tensor, refreshed with ``set_value``. Only the host
+    path has run: no device here captures graphs yet (the cpu kernels are the one recorder), so
+    the ``set_value`` path is untested."""
 
     def __init__(self, shape: tuple[int, ...], host: np.ndarray | None):
         if host is not None:
