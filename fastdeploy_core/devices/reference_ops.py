@@ -70,10 +70,20 @@ class CapturedGraph:
         return self.output
 
     def release(self) -> None:
-        """Free what the graph holds (its intermediate buffers); it cannot be replayed afterwards."""
+        """Free what the graph holds (its buffers, and its references to the weights and caches
+        it read); it cannot be replayed afterwards."""
         if self._release is not None:
             self._release()
         self._replay = self._release = None
+
+    def __del__(self):
+        # A device keeps captured work in its own registry (the cpu kernels' closures hold the
+        # model's weights): dropping the graph must free it, or every engine a process creates
+        # would keep its model alive.
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter exit the kernels may be gone already
+            pass
 
 
 class ReferenceOps:

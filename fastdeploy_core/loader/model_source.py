@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fastdeploy_core.errors import ModelLoadError
+from fastdeploy_core.layers.weights import release_weight_loaders
 
 _WHAT_TO_PASS = (
     "pass --model with an HF model directory (config.json + *.safetensors), a .gguf file or a "
@@ -117,3 +118,4 @@ def load_model_weights(model, source: ModelSource) -> None:
     if source.format == "gguf" and hasattr(quant_config, "gguf_block_filter"):
         keep_blocks = quant_config.gguf_block_filter(model)
     model.load_weights(iterate_weights(source, keep_blocks=keep_blocks))
+    release_weight_loaders(model)
