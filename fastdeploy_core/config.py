@@ -101,10 +101,15 @@ class GraphOptConfig(_Section):
     use_cudagraph: bool = True
     cudagraph_capture_sizes: list[int] | None = Field(None, description="None: every batch size up to max_num_seqs")
     enforce_eager: bool = False
-    graph_opt_level: Literal[0] = Field(0, description="static-graph conversion (FastDeploy levels 1-2) is not implemented")
+    graph_opt_level: int = Field(0, description="static-graph conversion (FastDeploy levels 1-2) is not implemented")
 
     @model_validator(mode="after")
     def _sizes(self) -> "GraphOptConfig":
+        if self.graph_opt_level != 0:
+            raise ValueError(
+                f"graph_opt_level {self.graph_opt_level}: FastDeploy's static-graph (1) and CINN (2) levels are "
+                "not implemented here; use 0 (decode steps are still captured while use_cudagraph is on)"
+            )
         for size in self.cudagraph_capture_sizes or ():
             if size < 1:
                 raise ValueError(f"cudagraph_capture_sizes: {size} is not a batch size; give sizes of 1 or more")
