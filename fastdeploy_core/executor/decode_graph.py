@@ -29,25 +29,24 @@ logger = logging.getLogger(__name__)
 
 
 class _StaticInput:
-    """An int64 tensor whose buffer stays put. On a host device it is a view of a numpy array
-    (refreshing it is a numpy copy; the graphs of all batch sizes view one array each, the first
-    ``batch`` rows); elsewhere it is its own tensor, refreshed with ``set_value``. Only the host
-    path has run: no device here captures graphs yet (the cpu kernels are the one recorder), so
-    the ``set_value`` path is untested."""
+    """An int64 tensor whose buffer stays put, refreshed from ``host``, a view of a numpy array
+    (the graphs of all batch sizes view one array each, their first rows). On a host device the
+    tensor shares that memory (refreshing is the numpy copy); elsewhere it is its own tensor and
+    :meth:`sync` copies the host view over with ``set_value``. Only the host path has run: no
+    device here captures graphs yet (the cpu kernels are the one recorder)."""
 
-    def __init__(self, shape: tuple[int, ...], host: np.ndarray | None):
-        if host is not None:
-            self.host = host
-            self.tensor = paddle.utils.dlpack.from_dlpack(host)
-        else:
-            self.host = None
-            self.tensor = paddle.zeros(list(shape), dtype="int64")
+    def __init__(self, host: np.ndarray, on_host: bool):
+        self.host = host
+        self.tensor = paddle.utils.dlpack.from_dlpack(host) if on_host else paddle.zeros(list(host.shape), "int64")
+        self._on_host = on_host
 
     def write(self, array: np.ndarray) -> None:
-        if self.host is not None:
-            np.copyto(self.host, array, casting="unsafe")
-        else:
-            self.tensor.set_value(np.asarray(array, dtype=np.int64))
+        np.copyto(self.host, array, casting="unsafe")
+        self.sync()
+
+    def sync(self) -> None:
+        if not self._on_host:
+            self.tensor.set_value(self.host)
 
 
 class _HostInputs:
@@ -66,29 +65,22 @@ class _HostInputs:
 class _Graph:
     """One batch size: its static inputs, the meta built on them, and the captured forward."""
 
-    def __init__(self, batch: int, table_width: int, block_size: int, host: _HostInputs | None):
+    def __init__(self, batch: int, block_size: int, host: _HostInputs, on_host: bool):
         self.batch = batch
-
-        def static(name: str, shape: tuple[int, ...]) -> _StaticInput:
-            return _StaticInput(shape, getattr(host, name)[: shape[0]] if host is not None else None)
-
-        self.ids = static("ids", (batch,))
-        self.positions = static("positions", (batch,))
-        self.slots = static("slots", (batch,))
-        self.query_start = static("query_start", (batch + 1,))
-        self.seq_lens = static("seq_lens", (batch,))
-        self.tables = static("tables", (batch, table_width))
-        # What the Python forward sees of the tables and lengths while it is recorded.
-        self._tables_host = self.tables.host if host is not None else np.zeros((batch, table_width), dtype=np.int64)
-        self._seq_lens_host = self.seq_lens.host if host is not None else np.zeros(batch, dtype=np.int64)
-        self.query_start.write(np.arange(batch + 1))
+        self.ids = _StaticInput(host.ids[:batch], on_host)
+        self.positions = _StaticInput(host.positions[:batch], on_host)
+        self.slots = _StaticInput(host.slots[:batch], on_host)
+        self.query_start = _StaticInput(host.query_start[: batch + 1], on_host)  # 0..batch: one token each
+        self.query_start.sync()
+        self.seq_lens = _StaticInput(host.seq_lens[:batch], on_host)
+        self.tables = _StaticInput(host.tables[:batch], on_host)
         self.meta = ForwardMeta(
             input_ids=self.ids.tensor,
             positions=self.positions.tensor,
             slot_mapping=self.slots.tensor,
-            query_start_loc=np.arange(batch + 1, dtype=np.int64),
-            seq_lens=self._seq_lens_host,
-            block_tables=self._tables_host,
+            query_start_loc=self.query_start.host,
+            seq_lens=self.seq_lens.host,  # what the Python forward sees while it is recorded
+            block_tables=self.tables.host,
             block_size=block_size,
             logits_indices=paddle.arange(batch, dtype="int64"),
             tensors={
@@ -107,13 +99,11 @@ class _Graph:
         self.ids.write(meta.input_ids)
         self.positions.write(meta.positions)
         self.slots.write(meta.slot_mapping)
-        self._seq_lens_host[:] = meta.seq_lens
+        self.seq_lens.write(meta.seq_lens)
         width = meta.block_tables.shape[1]
-        self._tables_host[:, :width] = meta.block_tables
-        self._tables_host[:, width:] = 0
-        if self.seq_lens.host is None:  # device buffers: the host copies go over
-            self.seq_lens.write(self._seq_lens_host)
-            self.tables.write(self._tables_host)
+        self.tables.host[:, :width] = meta.block_tables
+        self.tables.host[:, width:] = 0
+        self.tables.sync()
 
 
 class DecodeGraphs:
@@ -127,8 +117,8 @@ class DecodeGraphs:
         self.block_size = block_size
         self.table_width = -(-max_model_len // block_size)
         first_cache = _flatten(kv_caches)[:1]
-        on_host = bool(first_cache) and first_cache[0].place.is_cpu_place()
-        self._host = _HostInputs(max(self.capture_sizes, default=0), self.table_width) if on_host else None
+        self._on_host = bool(first_cache) and first_cache[0].place.is_cpu_place()
+        self._host = _HostInputs(max(self.capture_sizes, default=0), self.table_width)
         self.disabled_reason: str | None = None
         self._graphs: dict[int, _Graph] = {}
         self._weights: list | None = None
@@ -152,7 +142,7 @@ class DecodeGraphs:
             return None  # more blocks than max_model_len needs (the caller runs this step eagerly)
         graph = self._graphs.get(batch)
         if graph is None:
-            graph = self._graphs[batch] = _Graph(batch, self.table_width, self.block_size, self._host)
+            graph = self._graphs[batch] = _Graph(batch, self.block_size, self._host, self._on_host)
         graph.load(meta)
         if graph.captured is None or not graph.captured.planned:
             return self._capture(graph)
