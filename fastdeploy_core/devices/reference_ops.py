@@ -46,15 +46,19 @@ class CapturedGraph:
     """What :meth:`ReferenceOps.capture_graph` returns: the capture run's ``output`` and, when
     ``ok``, a way to run the same work again into the same output tensor."""
 
-    def __init__(self, output, replay_fn=None, reason: str = "", release_fn=None):
+    def __init__(
+        self, output, replay_fn=None, reason: str = "", release_fn=None, *, planned=True, arena_bytes=0, state=None
+    ):
         self.output = output
         self.reason = reason
         #: Bytes the graph keeps for its intermediate results (0 if unknown or none).
-        self.arena_bytes = 0
+        self.arena_bytes = arena_bytes
         #: False: record the same work again (``capture_graph(..., previous=this)``) before
         #: replaying; this graph may hold only what the device learned (the cpu kernels: a
         #: memory plan) and not be replayable itself.
-        self.planned = True
+        self.planned = planned
+        #: The device's own handle on the captured work (the cpu kernels: the graph's id).
+        self.state = state
         self._replay = replay_fn
         self._release = release_fn
 

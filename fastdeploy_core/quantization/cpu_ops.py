@@ -154,7 +154,7 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         ``previous``, the activations go to one arena laid out by that plan (``arena_bytes``)."""
         if not (self._have_kernels or self._ready()):
             return ReferenceOps.capture_graph(self, forward, static_tensors, previous)
-        plan = getattr(previous, "handle", None) if previous is not None and not previous.planned else None
+        plan = previous.state if previous is not None and not previous.planned else None
         _run("fd_graph_begin", list(static_tensors), int(plan.numpy()[0]) if plan is not None else 0)
         try:
             output = forward()
@@ -165,13 +165,14 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             handle = _run("fd_graph_end", output)[0]
         except Exception as exc:  # noqa: BLE001 - the recording is refused; the output stands
             return CapturedGraph(output, None, _kernel_message(exc))
-        graph = CapturedGraph(
-            output, lambda: _run("fd_graph_replay", handle), release_fn=lambda: _run("fd_graph_release", handle)
+        return CapturedGraph(
+            output,
+            lambda: _run("fd_graph_replay", handle),
+            release_fn=lambda: _run("fd_graph_release", handle),
+            planned=plan is not None,
+            arena_bytes=int(_run("fd_graph_arena_bytes", handle)[0].numpy()[0]),
+            state=handle,
         )
-        graph.handle = handle
-        graph.arena_bytes = int(_run("fd_graph_arena_bytes", handle)[0].numpy()[0])
-        graph.planned = plan is not None
-        return graph
 
     def rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
         if not (self._have_kernels or self._ready()) or x.dtype != paddle.float32:

@@ -354,7 +354,7 @@ def test_a_dropped_engine_frees_its_model_and_graphs(checkpoint):
     assert core.runner.graphs.captured_sizes == [1]
     layers = [weakref.ref(layer) for layer in core.runner.model.sublayers(include_self=True)]
     layers = [ref for ref in layers if type(ref()).__name__ != "RotaryEmbedding"]  # shared by design (get_rope)
-    handles = [graph.captured.handle for graph in core.runner.graphs._graphs.values()]
+    handles = [graph.captured.state for graph in core.runner.graphs._graphs.values()]
     del core
     gc.collect()
     alive = sorted({type(ref()).__name__ for ref in layers if ref() is not None})
