@@ -34,8 +34,8 @@ def main() -> None:
     import numpy as np
     import paddle
 
-    from fastdeploy_core.quantization.base import pack_column_tiles, pack_int4_vnni_tiles
-    from fastdeploy_core.quantization.kernels import load_kernels
+    from fastdeploy_core.builtin.cpu.layout import pack_column_tiles, pack_int4_vnni_tiles
+    from fastdeploy_core.builtin.cpu.kernels import load_kernels
     from fastdeploy_core.quantization.weight_only import quantize_int4
 
     assert load_kernels() is not None

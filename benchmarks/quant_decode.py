@@ -51,11 +51,11 @@ def main() -> None:
     sys.path[:0] = [root, os.path.join(root, "plugins", "fd-llama")]
     from fd_llama.llama import LlamaForCausalLM
 
-    from fastdeploy_core.devices.cpu import CpuDevice
+    from fastdeploy_core.builtin.cpu.device import CpuDevice
     from fastdeploy_core.devices.current import set_current_ops
     from fastdeploy_core.executor.decode_graph import DecodeGraphs
     from fastdeploy_core.loader import load_model_weights, resolve_model_source
-    from fastdeploy_core.quantization.kernels import load_kernels
+    from fastdeploy_core.builtin.cpu.kernels import load_kernels
     from fastdeploy_core.quantization.registry import resolve_quantization
     from fastdeploy_core.tokenizer import load_tokenizer
     from tests.models.paged_harness import build_meta
@@ -70,7 +70,7 @@ def main() -> None:
     )
 
     runs = {}
-    from fastdeploy_core.quantization.cpu_ops import CpuOps
+    from fastdeploy_core.builtin.cpu.ops import CpuOps
 
     vnni_default = CpuOps.int4_vnni_layout
     for method in args.methods.split(","):

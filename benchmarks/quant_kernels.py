@@ -34,7 +34,7 @@ def main() -> None:
     import paddle
 
     from fastdeploy_core.quantization.fp8 import quantize_block_fp8
-    from fastdeploy_core.quantization.kernels import load_kernels
+    from fastdeploy_core.builtin.cpu.kernels import load_kernels
     from fastdeploy_core.quantization.weight_only import int8_linear_reference, quantize_int4, quantize_int8
 
     k = load_kernels()

@@ -5,12 +5,13 @@ Public offline API: ``from fastdeploy_core import LLM, SamplingParams``.
 
 from __future__ import annotations
 
-import os
 import warnings
 
-# Paddle sets OMP_NUM_THREADS=1 on import when it is unset, which makes every GEMM single-core.
-# Plugins may import Paddle while they load, so the default is set here, before any of that.
-os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+from fastdeploy_core.builtin.cpu.process_env import configure_process_env
+
+# Plugins may import Paddle while they load, and Paddle reads its thread settings then: the
+# cpu device's process settings go into the environment first, here, once.
+configure_process_env()
 
 # Paddle warns on import that ccache is missing (it only speeds up rebuilding C++ extensions);
 # it is noise on every CLI call.

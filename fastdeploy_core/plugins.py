@@ -329,7 +329,7 @@ def load_plugins() -> PluginManager:
     """Discover, load and register every allowed plugin (a fresh manager each call)."""
     from importlib import metadata
 
-    from fastdeploy_core import builtin
+    from fastdeploy_core.builtin import plugin as builtin
 
     manager = PluginManager()
     manager.add_plugin(builtin, "builtin", CORE_DISTRIBUTION, __version__)

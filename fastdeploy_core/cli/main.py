@@ -1,7 +1,7 @@
 """The ``fastdeploy`` command line (typer).
 
 Core commands live here (``plugins``, ``env``); commands that need the engine come from
-modules listed in :data:`fastdeploy_core.builtin.CORE_COMMAND_MODULES` and plugins add theirs
+modules listed in :data:`fastdeploy_core.builtin.plugin.CORE_COMMAND_MODULES` and plugins add theirs
 through the ``register_commands`` hook.
 """
 

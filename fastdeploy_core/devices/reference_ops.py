@@ -137,9 +137,36 @@ class ReferenceOps:
         a quantizer's weight storage (int8 ``[in, out]``, int4 ``[in / 2, out]``, fp8). ``None``
         (here) keeps the layout; a table that returns a tensor gets it as the layer's weight, and
         its :meth:`linear` and quantized linear ops must accept it (the cpu device packs column
-        tiles, see :class:`fastdeploy_core.quantization.cpu_ops.CpuOps`).
+        tiles, see :class:`fastdeploy_core.builtin.cpu.ops.CpuOps`).
         """
         return None
+
+    def prepare_int4_weights(
+        self, weight: paddle.Tensor, scale: paddle.Tensor, offset: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor] | None:
+        """A layout for an int4 layer's codes ``uint8 [in / 2, out]``, scales and offsets
+        ``[G, out]`` taken together, for tables whose int4 kernels want all three rearranged.
+
+        ``None`` (here) leaves the layer to :meth:`prepare_linear_weight` of its codes alone.
+        """
+        return None
+
+    def unprepare_linear_weight(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        """The plain ``[rows, out]`` storage of a tensor that :meth:`prepare_linear_weight` or
+        :meth:`prepare_int4_weights` returned (the layout the quantizers' reference formulas
+        and ``dequantize`` read); a tensor this table never prepared is returned as it is."""
+        return tensor
+
+    def prepare_quantization(self) -> None:
+        """Called while a quantized model's layers are created, before any weight loads: a table
+        that compiles or loads kernels for quantized layers does it here rather than in the
+        first request. Nothing to do here."""
+
+    #: Whether attention over a step that mixes prompt chunks and single-token decodes costs
+    #: what each sequence's own query rows cost. ``False`` (here): the reference pads every
+    #: sequence of a step to its longest query run, so the scheduler keeps prompt steps and
+    #: decode steps apart (:func:`fastdeploy_core.engine.engine_core.mixes_prefill_and_decode`).
+    ragged_attention: bool = False
 
     def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
         """``x [..., in] @ weight [in, out] (+ bias)`` -> ``[..., out]``."""

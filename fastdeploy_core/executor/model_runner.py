@@ -21,24 +21,6 @@ committed by the OS when first written), so a large budget costs RAM only as it 
 from __future__ import annotations
 
 import logging
-import os
-
-os.environ.setdefault("OMP_NUM_THREADS", "2")
-
-
-def _amd_cpu() -> bool:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in fh)
-    except OSError:
-        return False
-
-
-# Paddle's MKL (mklml) runs a generic sgemm on AMD CPUs; MKL_DEBUG_CPU_TYPE=5 selects its AVX2
-# kernels: float32 GEMMs 2-3x faster on this project's EPYC machines (batch-16 decode step
-# ~2x less CPU). MKL reads it when Paddle loads it, so it is set before the import.
-if _amd_cpu():
-    os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
 
 import numpy as np
 import paddle

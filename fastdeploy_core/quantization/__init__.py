@@ -1,7 +1,7 @@
 """Quantization: the quantizer contract, the built-in methods and the cpu kernels.
 
 Methods register by name through the ``register_quantizers`` hook (the core registers its own
-in :mod:`fastdeploy_core.builtin`, lazily, as ``"module:Class"`` targets): ``wint8``,
+in :mod:`fastdeploy_core.builtin.plugin`, lazily, as ``"module:Class"`` targets): ``wint8``,
 ``wint4``, ``w8a8``, ``w4a8``, ``block_wise_fp8``, ``mix_quant``; the KV cache int8
 (``kv_cache_quant_type``) rides on any of them. :func:`resolve_quantization` turns
 ``--quantization`` into a quantizer object, which a model passes to its layers as

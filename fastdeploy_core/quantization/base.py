@@ -175,9 +175,7 @@ class QuantizerBase(LinearMethodBase):
     def create_weights(self, layer) -> None:
         """Register the compact storage on ``layer`` (and a float32 bias if it has one)."""
         shapes = self.storage_shapes(layer.input_size, layer.output_size)
-        prepare = getattr(current_ops(), "prepare_quantization", None)
-        if prepare is not None:
-            prepare()  # e.g. build/load the cpu kernels now, at model load, not in the first request
+        current_ops().prepare_quantization()  # e.g. the cpu kernels build now, not in the first request
         for tensor_name, (shape, dtype) in shapes.items():
             if tensor_name == "weight" or self.config.is_quantized:
                 param = layer.create_parameter(
@@ -348,6 +346,13 @@ class QuantizerBase(LinearMethodBase):
         """The storage arguments of :attr:`device_op` and :meth:`reference_op`, after ``x``."""
         raise NotImplementedError
 
+    def reference_args(self, layer) -> tuple:
+        """:meth:`op_args` in the plain layout :meth:`reference_op` reads: each tensor the device
+        laid out for its op (``prepare_linear_weight`` / ``prepare_int4_weights``) is handed back
+        through the current ops table's ``unprepare_linear_weight``."""
+        plain = current_ops().unprepare_linear_weight
+        return tuple(plain(a) if isinstance(a, paddle.Tensor) else a for a in self.op_args(layer))
+
     @staticmethod
     def reference_op(x: paddle.Tensor, *args: Any) -> paddle.Tensor:
         """The plain-Paddle formula of :attr:`device_op`: ``(x, *op_args, bias) -> y``."""
@@ -388,64 +393,6 @@ class QuantizerBase(LinearMethodBase):
 
 def is_lm_head(prefix: str) -> bool:
     return prefix == "lm_head" or prefix.endswith(".lm_head")
-
-
-#: Columns per tile of the packed weight layout (``kCols`` in ``csrc/weight_only_gemm.cc``).
-PACK_COLUMNS = 32
-
-
-def pack_column_tiles(weight: paddle.Tensor) -> paddle.Tensor:
-    """``[rows, N]`` -> ``[N / 32, rows, 32]``: each 32-column tile one contiguous block (any dtype)."""
-    rows, cols = (int(n) for n in weight.shape)
-    return weight.reshape([rows, cols // PACK_COLUMNS, PACK_COLUMNS]).transpose([1, 0, 2]).contiguous()
-
-
-#: k (input rows) per 4-byte lane of the int4 VNNI layout (``kVnniChunk`` in the C++ kernel).
-VNNI_CHUNK = 8
-
-
-def pack_int4_vnni_tiles(weight: paddle.Tensor) -> paddle.Tensor:
-    """int4 storage ``uint8 [K / 2, N]`` -> ``uint8 [N / 32, K / 8, 32, 4]`` (the VNNI int4 kernel's layout).
-
-    Byte ``[t, c, n, j]`` holds code ``q[8 c + j, 32 t + n]`` in its low and ``q[8 c + 4 + j, 32 t + n]``
-    in its high nibble: each 32-bit lane of a 64-byte load is one column's 4 consecutive k, as
-    ``vpdpbusd`` multiplies them. Needs ``K % 8 == 0`` and ``N % 32 == 0``.
-    """
-    half, cols = (int(n) for n in weight.shape)
-    rows = 2 * half
-    if rows % VNNI_CHUNK or cols % PACK_COLUMNS:
-        raise ValueError(f"the int4 VNNI layout needs K % 8 == 0 and N % 32 == 0, got K={rows}, N={cols}")
-    packed = weight.numpy()
-    codes = np.empty((rows, cols), dtype=np.uint8)
-    codes[0::2] = packed & 15
-    codes[1::2] = packed >> 4
-    # [K/8, 8, N/32, 32] -> [N/32, K/8, 32, 8]
-    tiles = codes.reshape(rows // VNNI_CHUNK, VNNI_CHUNK, cols // PACK_COLUMNS, PACK_COLUMNS).transpose(2, 0, 3, 1)
-    out = tiles[..., :4] | (tiles[..., 4:] << 4)
-    return paddle.to_tensor(np.ascontiguousarray(out, dtype=np.uint8))
-
-
-def unpack_int4_vnni_tiles(weight: paddle.Tensor) -> paddle.Tensor:
-    """Inverse of :func:`pack_int4_vnni_tiles`: ``uint8 [K / 2, N]`` (plain Paddle ops)."""
-    tiles, chunks, cols, _ = (int(n) for n in weight.shape)
-    wide = weight.astype("int32")
-    low = paddle.bitwise_and(wide, paddle.full([], 15, dtype="int32"))
-    high = paddle.bitwise_right_shift(wide, paddle.full([], 4, dtype="int32"))
-    codes = paddle.concat([low, high], axis=3)  # [T, C, 32, 8]: k = 8 c + index
-    codes = codes.transpose([1, 3, 0, 2]).reshape([chunks * VNNI_CHUNK // 2, 2, tiles * cols])
-    even, odd = codes[:, 0], codes[:, 1]
-    return paddle.bitwise_or(even, paddle.bitwise_left_shift(odd, paddle.full([], 4, dtype="int32"))).astype("uint8")
-
-
-def unpack_column_tiles(weight: paddle.Tensor) -> paddle.Tensor:
-    """The ``[rows, N]`` storage of a weight, whether packed by :func:`pack_column_tiles`,
-    by :func:`pack_int4_vnni_tiles` (rank 4) or not packed."""
-    if weight.ndim == 4:
-        return unpack_int4_vnni_tiles(weight)
-    if weight.ndim != 3:
-        return weight
-    tiles, rows, cols = (int(n) for n in weight.shape)
-    return weight.transpose([1, 0, 2]).reshape([rows, tiles * cols])
 
 
 def add_bias(y: paddle.Tensor, bias: paddle.Tensor | None) -> paddle.Tensor:

@@ -23,15 +23,14 @@ from fastdeploy_core.quantization.base import (
     add_bias,
     expand_groups,
     num_groups,
-    unpack_column_tiles,
 )
+from fastdeploy_core.devices.current import current_ops
 
 FP8_E4M3_MAX = 448.0
 
 
 def fp8_weight(weight: paddle.Tensor, scale: paddle.Tensor, block_rows: int) -> paddle.Tensor:
-    """Float32 ``[K, N]`` from e4m3 values (``[K, N]`` or packed column tiles) and per-block scales ``[Kb, N]``."""
-    weight = unpack_column_tiles(weight)
+    """Float32 ``[K, N]`` from e4m3 values ``[K, N]`` and per-block scales ``[Kb, N]``."""
     return weight.astype("float32") * expand_groups(scale, block_rows, int(weight.shape[0]))
 
 
@@ -91,7 +90,8 @@ class BlockWiseFP8(QuantizerBase):
         return quantize_block_fp8(weight, self.block)
 
     def dequantize(self, layer) -> paddle.Tensor:
-        return fp8_weight(layer.weight, layer.weight_scale, self.block[0])
+        plain = current_ops().unprepare_linear_weight
+        return fp8_weight(plain(layer.weight), plain(layer.weight_scale), self.block[0])
 
     def op_args(self, layer) -> tuple:
         return layer.weight, layer.weight_scale, self.block[0]

@@ -33,21 +33,18 @@ from fastdeploy_core.quantization.base import (
     grouped_abs_max,
     num_groups,
     repeat_rows,
-    unpack_column_tiles,
 )
 
 
 # ---- the formulas every device op must match ----------------------------------------------------
 def int8_weight(weight: paddle.Tensor, scale: paddle.Tensor, group_size: int) -> paddle.Tensor:
-    """Float32 ``[K, N]`` from int8 codes (``[K, N]`` or packed column tiles) and group scales."""
-    weight = unpack_column_tiles(weight)
+    """Float32 ``[K, N]`` from int8 codes ``[K, N]`` and group scales ``[G, N]``."""
     rows = int(weight.shape[0])
     return weight.astype("float32") * expand_groups(scale, group_size, rows)
 
 
 def int4_codes(packed: paddle.Tensor) -> paddle.Tensor:
-    """``uint8 [K / 2, N]`` (or packed column tiles) -> float32 codes ``[K, N]`` in [0, 15] (rows interleaved back)."""
-    packed = unpack_column_tiles(packed)
+    """``uint8 [K / 2, N]`` -> float32 codes ``[K, N]`` in [0, 15] (rows interleaved back)."""
     wide = packed.astype("int32")
     low = paddle.bitwise_and(wide, paddle.full([], 15, dtype="int32"))
     high = paddle.bitwise_right_shift(wide, paddle.full([], 4, dtype="int32"))
@@ -59,8 +56,8 @@ def int4_weight(packed: paddle.Tensor, scale: paddle.Tensor, offset: paddle.Tens
     """Float32 ``[K, N]`` from packed int4 codes, group scales and offsets."""
     codes = int4_codes(packed)
     rows = int(codes.shape[0])
-    # the cpu ops may tile them ([N / 32, G, 32]) and store them as float16 (when exact)
-    scale, offset = unpack_column_tiles(scale).astype("float32"), unpack_column_tiles(offset).astype("float32")
+    # a device may store them as float16 when that is exact (the cpu ops do for GGUF's d and m)
+    scale, offset = scale.astype("float32"), offset.astype("float32")
     return codes * expand_groups(scale, group_size, rows) + expand_groups(offset, group_size, rows)
 
 
@@ -164,7 +161,8 @@ class WeightOnlyInt8(QuantizerBase):
         return q8_0_to_int8(blocks)
 
     def dequantize(self, layer) -> paddle.Tensor:
-        return int8_weight(layer.weight, layer.weight_scale, self.group_size_for(layer.input_size))
+        plain = current_ops().unprepare_linear_weight
+        return int8_weight(plain(layer.weight), plain(layer.weight_scale), self.group_size_for(layer.input_size))
 
     def op_args(self, layer) -> tuple:
         return layer.weight, layer.weight_scale, self.group_size_for(layer.input_size)
@@ -224,7 +222,10 @@ class WeightOnlyInt4(QuantizerBase):
         return q4_to_int4(blocks)
 
     def dequantize(self, layer) -> paddle.Tensor:
-        return int4_weight(layer.weight, layer.weight_scale, layer.weight_offset, self.config.group_size)
+        plain = current_ops().unprepare_linear_weight
+        return int4_weight(
+            plain(layer.weight), plain(layer.weight_scale), plain(layer.weight_offset), self.config.group_size
+        )
 
     def op_args(self, layer) -> tuple:
         return layer.weight, layer.weight_scale, layer.weight_offset, self.config.group_size
@@ -233,8 +234,9 @@ class WeightOnlyInt4(QuantizerBase):
         """The device's int4 layout for codes, scales and offsets together when it has one
         (``ops.prepare_int4_weights``: the cpu ops' VNNI layout), else as every method."""
         ops = current_ops()
-        prepare = getattr(ops, "prepare_int4_weights", None) if hasattr(ops, self.device_op) else None
-        prepared = prepare(layer.weight, layer.weight_scale, layer.weight_offset) if prepare is not None else None
+        prepared = None
+        if hasattr(ops, self.device_op):
+            prepared = ops.prepare_int4_weights(layer.weight, layer.weight_scale, layer.weight_offset)
         if prepared is None:
             super().process_weights_after_loading(layer)
             return

@@ -8,7 +8,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import pytest  # noqa: E402
 
-from fastdeploy_core.devices.cpu import CpuDevice  # noqa: E402
+from fastdeploy_core.builtin.cpu.device import CpuDevice  # noqa: E402
 from fastdeploy_core.devices.reference_ops import ReferenceOps  # noqa: E402
 from fastdeploy_core.errors import ConfigError  # noqa: E402
 from fastdeploy_core.plugins import load_plugins  # noqa: E402

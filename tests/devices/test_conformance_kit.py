@@ -74,7 +74,7 @@ def test_greedy_lm_head_check_catches_a_wrong_tie_rule(manager):
     """The planted ties decide: taking the last of equal logits instead of the first fails the kit."""
     import numpy as np
 
-    from fastdeploy_core.quantization.cpu_ops import CpuOps
+    from fastdeploy_core.builtin.cpu.ops import CpuOps
 
     class LastOnTies(CpuOps):
         def greedy_lm_head(self, hidden, weight, bias=None, prepared=None):

@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import pytest
 
 from fastdeploy_core.engine.sampling_params import SamplingParams
-from fastdeploy_core.quantization.kernels import has_avx512_vnni, load_kernels
+from fastdeploy_core.builtin.cpu.kernels import has_avx512_vnni, load_kernels
 from tests.engine.test_engine_tiny import PROMPTS, _save_tiny, greedy, make_core, run, tokens
 
 pytest.importorskip("transformers")

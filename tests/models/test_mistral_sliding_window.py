@@ -21,7 +21,7 @@ from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.loader import load_model_weights, resolve_model_source
 from fastdeploy_core.plugins import load_plugins
-from fastdeploy_core.quantization.cpu_ops import CpuOps
+from fastdeploy_core.builtin.cpu.ops import CpuOps
 from tests.models.paged_harness import PagedHarness
 from tests.models.reference import hf_greedy
 from tests.models.test_tiny_llama_configs import BASE

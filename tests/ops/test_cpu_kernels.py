@@ -17,7 +17,7 @@ import paddle
 import pytest
 
 from fastdeploy_core.devices.reference_ops import ReferenceOps
-from fastdeploy_core.quantization.kernels import kernel_failure, load_kernels
+from fastdeploy_core.builtin.cpu.kernels import kernel_failure, load_kernels
 from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
 from fastdeploy_core.testing.checks import cos_sin_cache
 
@@ -164,7 +164,7 @@ def test_cpu_ops_declare_ragged_attention_only_with_their_kernels(kernels):
     """The scheduler mixes prompt chunks and decodes in one step only when attention is ragged:
     the cpu table's kernels are; its int8-KV wrapper (the reference composition) is not."""
     from fastdeploy_core.engine.engine_core import mixes_prefill_and_decode
-    from fastdeploy_core.quantization.cpu_ops import CpuOps
+    from fastdeploy_core.builtin.cpu.ops import CpuOps
     from fastdeploy_core.quantization.kv_cache import Int8KVCacheQuantizer
 
     ops = CpuOps()

@@ -13,12 +13,12 @@ import paddle
 import pytest
 
 from fastdeploy_core.config import EngineArgs
-from fastdeploy_core.devices.cpu import CpuDevice
+from fastdeploy_core.builtin.cpu.device import CpuDevice
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.errors import ConfigError
 from fastdeploy_core.executor.decode_graph import DecodeGraphs
-from fastdeploy_core.quantization.kernels import load_kernels
+from fastdeploy_core.builtin.cpu.kernels import load_kernels
 from fastdeploy_core.quantization.registry import resolve_quantization
 from fastdeploy_core.testing.batches import build_meta
 

@@ -21,9 +21,9 @@ import paddle
 import pytest
 
 from fastdeploy_core.devices.reference_ops import ReferenceOps
-from fastdeploy_core.quantization.base import pack_column_tiles
-from fastdeploy_core.quantization.cpu_ops import CpuOps
-from fastdeploy_core.quantization.kernels import has_avx512_vnni, kernel_failure, load_kernels
+from fastdeploy_core.builtin.cpu.layout import pack_column_tiles
+from fastdeploy_core.builtin.cpu.ops import CpuOps
+from fastdeploy_core.builtin.cpu.kernels import has_avx512_vnni, kernel_failure, load_kernels
 from fastdeploy_core.testing.checks import head_with_near_ties
 
 TILES = 37  # an odd number of 32-column tiles

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastdeploy_core.quantization.kernels import kernel_failure, load_kernels
+from fastdeploy_core.builtin.cpu.kernels import kernel_failure, load_kernels
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.executor.forward_meta import ForwardMeta
 from fastdeploy_core.layers.linear import Linear, QKVLinear
-from fastdeploy_core.quantization.cpu_ops import CpuOps
+from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.quantization.gguf import GGUFBlocks, q4_to_int4, q8_0_to_int8
 from fastdeploy_core.quantization.kv_cache import (
     Int8KVCacheOps,

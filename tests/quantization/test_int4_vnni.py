@@ -18,13 +18,13 @@ import pytest
 
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.layers.linear import Linear
-from fastdeploy_core.quantization.base import (
+from fastdeploy_core.builtin.cpu.layout import (
     pack_column_tiles,
     pack_int4_vnni_tiles,
     unpack_column_tiles,
     unpack_int4_vnni_tiles,
 )
-from fastdeploy_core.quantization.cpu_ops import CpuOps
+from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.quantization.w4a8 import W4A8
 from fastdeploy_core.quantization.weight_only import (
     WeightOnlyInt4,
@@ -53,7 +53,7 @@ def test_vnni_packing_is_an_exact_inverse_and_puts_each_code_where_the_kernel_re
     assert tuple(packed.shape) == (N // 32, K // 8, 32, 4) and packed.dtype == paddle.uint8
     np.testing.assert_array_equal(unpack_int4_vnni_tiles(packed).numpy(), storage.numpy())
     np.testing.assert_array_equal(unpack_column_tiles(packed).numpy(), storage.numpy())
-    np.testing.assert_array_equal(int4_codes(packed).numpy(), codes.astype(np.float32))
+    np.testing.assert_array_equal(int4_codes(unpack_column_tiles(packed)).numpy(), codes.astype(np.float32))
     # byte [t, c, n, j]: q[8c + j, 32t + n] low nibble, q[8c + 4 + j, 32t + n] high nibble
     raw = packed.numpy()
     for t, c, n, j in [(0, 0, 0, 0), (N // 32 - 1, K // 8 - 1, 31, 3), (N // 32 // 2, K // 16, 17, 2)]:
@@ -103,8 +103,9 @@ def test_vnni_kernel_matches_the_weight_only_reference(shape, rows, scales, kern
     if scales != "GN":
         dtype = "float16" if scales == "tiled-fp16" else "float32"
         s, o = pack_column_tiles(scale.astype(dtype)), pack_column_tiles(offset.astype(dtype))
-        # the reference formula reads the tiled (float16) scales too
-        np.testing.assert_array_equal(int4_linear_reference(x, w, s, o, group).numpy(), want)
+        # the tiled (float16) scales hand back to the reference formula unchanged
+        plain = CpuOps().unprepare_linear_weight
+        np.testing.assert_array_equal(int4_linear_reference(x, w, plain(s), plain(o), group).numpy(), want)
     got = kernels.fd_int4_linear(x, pack_int4_vnni_tiles(w), s, o, group, False).numpy()
     assert got.shape == (rows, N)
     # 16-bit activations per block: measured ~2-4e-5 of the largest output; the float kernel ~1e-6.
@@ -173,8 +174,8 @@ def test_int4_layers_take_the_vnni_layout_and_keep_their_weights(quantizer, kern
     quantizer.process_weights_after_loading(layer)  # a second call leaves it as it is
     assert tuple(layer.weight.shape) == (3, 48, 32, 4)
     assert tuple(layer.weight_scale.shape) == (3, groups, 32)
-    # the reference formula reads the packed storage too
-    assert rel(quantizer.reference_op(x, *quantizer.op_args(layer)).numpy(), want) <= 1e-6
+    # the reference formula reads the packed storage handed back by the ops table
+    assert rel(quantizer.reference_op(x, *quantizer.reference_args(layer)).numpy(), want) <= 1e-6
 
 
 def test_int4_scales_are_stored_as_float16_only_when_that_is_exact(kernels, monkeypatch):

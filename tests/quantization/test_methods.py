@@ -14,12 +14,12 @@ import numpy as np
 import paddle
 import pytest
 
-from fastdeploy_core.devices.cpu import CpuDevice
+from fastdeploy_core.builtin.cpu.device import CpuDevice
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.layers.linear import Linear, MergedColumnLinear, QKVLinear
-from fastdeploy_core.quantization.cpu_ops import CpuOps
+from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.quantization.fp8 import BlockWiseFP8, quantize_block_fp8
 from fastdeploy_core.quantization.w4a8 import W4A8
 from fastdeploy_core.quantization.w8a8 import W8A8
@@ -306,8 +306,9 @@ def test_cpu_device_runs_the_kernels():
     assert {"wint8", "wint4", "w8a8", "w4a8", "block_wise_fp8"} <= set(CpuDevice.quantization_methods)
 
 
-def test_without_kernels_the_cpu_ops_run_the_reference_formula():
-    """FD_DISABLE_QUANT_KERNELS (or a failed build) falls back to plain Paddle, and says why once."""
+@pytest.mark.parametrize("env", [{"FD_CPU_KERNELS": "0"}, {"FD_DISABLE_QUANT_KERNELS": "1"}])
+def test_without_kernels_the_cpu_ops_run_the_reference_formula(env):
+    """FD_CPU_KERNELS=0 (its former name too, or a failed build) falls back to plain Paddle, and says why once."""
     from tests.core.fake_dists import run_python
 
     code = """
@@ -315,8 +316,8 @@ import logging, numpy as np, paddle
 logging.basicConfig(level=logging.WARNING)
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.layers.linear import Linear
-from fastdeploy_core.quantization.cpu_ops import CpuOps
-from fastdeploy_core.quantization.kernels import kernel_failure
+from fastdeploy_core.builtin.cpu.ops import CpuOps
+from fastdeploy_core.builtin.cpu.kernels import kernel_failure
 from fastdeploy_core.quantization.weight_only import WeightOnlyInt8
 set_current_ops(CpuOps())
 layer = Linear(64, 32, quant_config=WeightOnlyInt8(), prefix="x.o_proj")
@@ -326,16 +327,16 @@ y = layer(x); y = layer(x)
 want = WeightOnlyInt8.reference_op(x, layer.weight, layer.weight_scale, 64)
 print("RESULT", float(paddle.abs(y - want).max()), kernel_failure())
 """
-    env_backup = os.environ.get("FD_DISABLE_QUANT_KERNELS")
-    os.environ["FD_DISABLE_QUANT_KERNELS"] = "1"
+    backup = {name: os.environ.pop(name, None) for name in ("FD_CPU_KERNELS", "FD_DISABLE_QUANT_KERNELS")}
+    os.environ.update(env)
     try:
         proc = run_python(code)
     finally:
-        if env_backup is None:
-            os.environ.pop("FD_DISABLE_QUANT_KERNELS")
-        else:
-            os.environ["FD_DISABLE_QUANT_KERNELS"] = env_backup
+        for name, value in backup.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
     assert proc.returncode == 0, proc.stderr
     line = proc.stdout.strip().splitlines()[-1]
-    assert line == "RESULT 0.0 RuntimeError: FD_DISABLE_QUANT_KERNELS is set", line
-    assert proc.stderr.count("cpu quantization kernels unavailable") == 1
+    assert line == "RESULT 0.0 RuntimeError: FD_CPU_KERNELS=0 is set", line
+    assert proc.stderr.count("cpu kernels unavailable") == 1

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from fastdeploy_core.devices import Availability, Device
-from fastdeploy_core.devices.cpu import CpuDevice
+from fastdeploy_core.builtin.cpu.device import CpuDevice
 from fastdeploy_core.errors import ConfigError, QuantizationError
 from fastdeploy_core.plugins import PluginManager, load_plugins
 from fastdeploy_core.quantization.fp8 import BlockWiseFP8
@@ -120,7 +120,7 @@ class _NoQuantChip(Device):
 
 
 def _manager_with_chips() -> PluginManager:
-    from fastdeploy_core import builtin
+    from fastdeploy_core.builtin import plugin as builtin
 
     manager = PluginManager()
     manager.add_plugin(builtin, "builtin", "fastdeploy-core", "test")
@@ -225,7 +225,7 @@ def register_quantizers(register):
 
 RESOLVE = """
 import numpy as np, paddle
-from fastdeploy_core.devices.cpu import CpuDevice
+from fastdeploy_core.builtin.cpu.device import CpuDevice
 from fastdeploy_core.errors import QuantizationError
 from fastdeploy_core.layers.linear import Linear
 from fastdeploy_core.plugins import load_plugins

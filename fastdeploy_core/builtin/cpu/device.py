@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from fastdeploy_core.devices.base import Availability, Device, MemoryInfo
-from fastdeploy_core.quantization.cpu_ops import CpuOps
+from fastdeploy_core.builtin.cpu.ops import CpuOps
 
 
 def _meminfo_bytes(field: str) -> int | None:

@@ -15,7 +15,7 @@ CORE_COMMAND_MODULES: tuple[str, ...] = ("fastdeploy_core.cli.serve", "fastdeplo
 
 @hookimpl
 def register_devices(register):
-    from fastdeploy_core.devices.cpu import CpuDevice
+    from fastdeploy_core.builtin.cpu.device import CpuDevice
 
     register(CpuDevice)
 

@@ -3,7 +3,7 @@
 :class:`CpuOps` is :class:`ReferenceOps` with linear layers (float32 and one op per
 quantization method), the attention block and RMSNorm on the kernels. Each quantized op takes
 the storage arguments of its quantizer's ``op_args`` and computes exactly its ``reference_op``;
-when the kernels cannot be built (see :mod:`fastdeploy_core.quantization.kernels`) every op runs
+when the kernels cannot be built (see :mod:`fastdeploy_core.builtin.cpu.kernels`) every op runs
 the reference formula and weights keep the plain layout.
 """
 
@@ -15,16 +15,17 @@ import numpy as np
 import paddle
 from paddle import _C_ops
 
-from fastdeploy_core.devices.reference_ops import CapturedGraph, ReferenceOps
-from fastdeploy_core.quantization.base import (
+from fastdeploy_core.builtin.cpu.kernels import has_avx512_vnni, load_kernels
+from fastdeploy_core.builtin.cpu.layout import (
     PACK_COLUMNS,
     VNNI_CHUNK,
-    add_bias,
     pack_column_tiles,
     pack_int4_vnni_tiles,
+    unpack_column_tiles,
 )
+from fastdeploy_core.devices.reference_ops import CapturedGraph, ReferenceOps
+from fastdeploy_core.quantization.base import add_bias
 from fastdeploy_core.quantization.fp8 import fp8_linear_reference
-from fastdeploy_core.quantization.kernels import has_avx512_vnni, load_kernels
 from fastdeploy_core.quantization.weight_only import int4_linear_reference, int8_linear_reference
 
 _run = _C_ops._run_custom_op  # the op must be registered: load_kernels() ran first (see _ready)
@@ -129,6 +130,10 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         if np.array_equal(s16.astype(np.float32), s) and np.array_equal(o16.astype(np.float32), o):
             scale, offset = paddle.to_tensor(s16), paddle.to_tensor(o16)
         return pack_int4_vnni_tiles(weight), pack_column_tiles(scale), pack_column_tiles(offset)
+
+    def unprepare_linear_weight(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        """Column tiles (rank 3) and the int4 VNNI layout (rank 4) back to ``[rows, out]``."""
+        return unpack_column_tiles(tensor)
 
     def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
         if weight.ndim == 3:  # packed by prepare_linear_weight

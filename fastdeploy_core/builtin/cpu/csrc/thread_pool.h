@@ -5,7 +5,7 @@
 // waits for chunks already claimed. (An OpenMP team waits at its barrier for every thread; on
 // a busy 2-core machine one descheduled thread turned a 0.1 ms GEMV into 3-5 ms.)
 //
-// After a job a worker spins for FD_QUANT_KERNEL_SPIN microseconds (default 200), yielding its
+// After a job a worker spins for FD_CPU_KERNEL_SPIN microseconds (default 200), yielding its
 // core to any runnable thread on every turn, then sleeps on a condition variable. A decode
 // step issues ~270 kernel calls a few microseconds apart: waking a sleeping worker for each
 // (futex, scheduler) left the caller alone for most of a small GEMV, and a batch-1 step took
@@ -13,7 +13,7 @@
 // busy machine: 26 -> 32-37 ms): the spinner kept the core from the thread that had work.
 // Sleeping after the window keeps an idle engine at 0% CPU.
 //
-// Size: FD_QUANT_KERNEL_THREADS, else OMP_NUM_THREADS, else the hardware's thread count.
+// Size: FD_CPU_KERNEL_THREADS, else OMP_NUM_THREADS, else the hardware's thread count.
 // Declared inline in a named namespace, so every source file of the library gets the same pool.
 #pragma once
 
@@ -69,9 +69,9 @@ class Pool {
   Pool() {
     int threads = static_cast<int>(std::thread::hardware_concurrency());
     if (const char* env = std::getenv("OMP_NUM_THREADS")) threads = std::atoi(env);
-    if (const char* env = std::getenv("FD_QUANT_KERNEL_THREADS")) threads = std::atoi(env);
+    if (const char* env = std::getenv("FD_CPU_KERNEL_THREADS")) threads = std::atoi(env);
     threads = std::max(1, std::min(threads, 64));
-    if (const char* env = std::getenv("FD_QUANT_KERNEL_SPIN")) spin_us_ = std::max(0, std::atoi(env));
+    if (const char* env = std::getenv("FD_CPU_KERNEL_SPIN")) spin_us_ = std::max(0, std::atoi(env));
     for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { loop(); });
   }
 
@@ -133,7 +133,7 @@ class Pool {
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   uint64_t generation_ = 0;
-  int spin_us_ = kDefaultSpinMicros;  // FD_QUANT_KERNEL_SPIN: how long an idle worker spins before sleeping
+  int spin_us_ = kDefaultSpinMicros;  // FD_CPU_KERNEL_SPIN: how long an idle worker spins before sleeping
   void (*fn_)(void*, int64_t) = nullptr;
   void* ctx_ = nullptr;
   int64_t total_ = 0;

@@ -11,8 +11,7 @@ version and the CPU's feature flags, so a changed source or another machine buil
 an unchanged one loads the cached library in well under a second. A file lock keeps
 concurrent processes from building the same library twice.
 
-When the build fails (no compiler, no Python headers) or ``FD_DISABLE_QUANT_KERNELS=1`` is
-set, :func:`load_kernels` returns ``None`` and logs why once; the cpu ops then run their
+When the build fails (no compiler, no Python headers) or ``FD_CPU_KERNELS=0`` is set, :func:`load_kernels` returns ``None`` and logs why once; the cpu ops then run their
 plain-Paddle reference path (and keep weights in the plain layout).
 """
 
@@ -27,6 +26,8 @@ import os
 import platform
 import threading
 from pathlib import Path
+
+from fastdeploy_core.builtin.cpu.process_env import KERNELS_ENV, kernels_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,6 @@ SOURCES = (
 HEADERS = (_CSRC / "thread_pool.h", _CSRC / "vector_math.h", _CSRC / "f32_tiles.h", _CSRC / "graph.h")
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
 LD_FLAGS = ["-pthread"]
-DISABLE_ENV = "FD_DISABLE_QUANT_KERNELS"
 CACHE_ENV = "FD_KERNEL_CACHE"
 
 _lock = threading.Lock()
@@ -71,7 +71,7 @@ def _cpu_flags() -> str:
 
 
 def library_name() -> str:
-    """``fd_quant_kernels_<hash>``: the hash covers what changes the binary."""
+    """``fd_cpu_kernels_<hash>``: the hash covers what changes the binary."""
     import paddle
 
     digest = hashlib.sha256()
@@ -80,7 +80,7 @@ def library_name() -> str:
     digest.update(" ".join(CXX_FLAGS + LD_FLAGS).encode())
     digest.update(paddle.__version__.encode())
     digest.update(_cpu_flags().encode())
-    return f"fd_quant_kernels_{digest.hexdigest()[:12]}"
+    return f"fd_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
 def _import_built(name: str, build_dir: Path):
@@ -117,8 +117,8 @@ def load_kernels():
         if _tried:
             return _module
         try:
-            if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-                raise RuntimeError(f"{DISABLE_ENV} is set")
+            if kernels_disabled():
+                raise RuntimeError(f"{KERNELS_ENV}=0 is set")
             name = library_name()
             build_dir = cache_dir()
             build_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +128,7 @@ def load_kernels():
                     if (build_dir / name / f"{name}.so").exists():
                         _module = _import_built(name, build_dir)
                     else:
-                        logger.info("building the cpu quantization kernels into %s (once per machine)", build_dir)
+                        logger.info("building the cpu kernels into %s (once per machine)", build_dir)
                         _module = _build(name, build_dir)
                 finally:
                     fcntl.flock(lock_file, fcntl.LOCK_UN)
@@ -136,8 +136,7 @@ def load_kernels():
             _failure = f"{type(exc).__name__}: {exc}"
             _module = None
             logger.warning(
-                "cpu quantization kernels unavailable (%s); quantized layers use the slower plain-Paddle "
-                "reference path",
+                "cpu kernels unavailable (%s); every op runs the slower plain-Paddle reference path",
                 _failure.splitlines()[0][:500],
             )
         _tried = True
