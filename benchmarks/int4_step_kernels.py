@@ -66,7 +66,10 @@ def main() -> None:
         f"threads={threads} group={args.group} act_int8={args.act_int8} weights {nbytes / 1e6:.1f} MB/step, "
         f"load {os.getloadavg()[0]:.2f}"
     )
+    from run_stamp import run_stamp
+
     results = {
+        **run_stamp(),
         "threads": threads,
         "group": args.group,
         "act_int8": args.act_int8,

@@ -174,8 +174,11 @@ def main() -> None:
             f"{r['cpu_ms_per_token']:>12}{r['cpu_vs_float32']!s:>9}  {r['text']!r}"
         )
     if args.json:
+        from run_stamp import run_stamp
+
+        threads = {"omp": os.environ["OMP_NUM_THREADS"], "kernel_pool": os.environ.get("FD_QUANT_KERNEL_THREADS")}
         with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+            json.dump({**run_stamp(), "threads": threads, "eager": args.eager, "methods": results}, fh, indent=1)
 
 
 if __name__ == "__main__":
