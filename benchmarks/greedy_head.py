@@ -54,7 +54,7 @@ def _load() -> str:
 
 def _median_ms(fn, iters: int) -> tuple[float, float]:
     """Median wall and process CPU ms of ``fn()`` (CPU time: all threads; with
-    FD_QUANT_KERNEL_THREADS=1 the work per call, which the machine's load distorts less)."""
+    FD_CPU_KERNEL_THREADS=1 the work per call, which the machine's load distorts less)."""
     fn()
     walls, cpus = [], []
     for _ in range(iters):
@@ -154,7 +154,7 @@ def main() -> None:
 
     weight, state = head.weight, head.greedy_state
     rng = np.random.default_rng(0)
-    threads = os.environ.get("FD_QUANT_KERNEL_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    threads = os.environ.get("FD_CPU_KERNEL_THREADS") or os.environ.get("OMP_NUM_THREADS")
     print(f"\nhead, ms (medians; kernel threads {threads}):  full (fd_f32_linear + fd_argmax)  fast (fd_greedy_head)")
     for batch in (1, 16, 64):
         h = paddle.to_tensor(np.ascontiguousarray(hidden[rng.choice(hidden.shape[0], batch, replace=False)]))

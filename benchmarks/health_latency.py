@@ -22,6 +22,7 @@ import threading
 import time
 
 import httpx
+from run_stamp import run_stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -97,8 +98,8 @@ def main() -> None:
         stop.set()
         t.join()
         result = {
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            **run_stamp(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
             "server": " ".join(cmd[1:]),
             "prompt_tokens": args.prompt_tokens,
             "prefill_seconds_each": [round(d, 2) for d in durations],

@@ -82,7 +82,10 @@ def main() -> None:
     t0 = time.perf_counter()
     model = load_model(args.model)
     vocab = model.config.vocab_size
+    from run_stamp import run_stamp
+
     results = {
+        **run_stamp(),
         "load_s": time.perf_counter() - t0,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

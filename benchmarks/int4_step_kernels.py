@@ -61,12 +61,15 @@ def main() -> None:
         M: {K: paddle.to_tensor(rng.standard_normal((M, K)).astype(np.float32)) for K in (576, 1536)}
         for M in (int(r) for r in args.rows.split(","))
     }
-    threads = os.environ.get("FD_QUANT_KERNEL_THREADS") or os.environ["OMP_NUM_THREADS"]
+    threads = os.environ.get("FD_CPU_KERNEL_THREADS") or os.environ["OMP_NUM_THREADS"]
     print(
         f"threads={threads} group={args.group} act_int8={args.act_int8} weights {nbytes / 1e6:.1f} MB/step, "
         f"load {os.getloadavg()[0]:.2f}"
     )
+    from run_stamp import run_stamp
+
     results = {
+        **run_stamp(),
         "threads": threads,
         "group": args.group,
         "act_int8": args.act_int8,

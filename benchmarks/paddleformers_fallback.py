@@ -56,7 +56,10 @@ def main() -> None:
             for impl in IMPLS if r % 2 == 0 else reversed(IMPLS):
                 results[impl][batch].append(measure_iteration(engines[impl], prompts, args.output_len))
 
+    from run_stamp import run_stamp
+
     summary = {
+        **run_stamp(),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}",
         "paddle": paddle.__version__,
         "input_len": args.input_len,

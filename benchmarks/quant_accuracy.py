@@ -148,8 +148,10 @@ def main() -> None:
         del core, runner
 
     if args.json:
+        from run_stamp import run_stamp
+
         with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+            json.dump({**run_stamp(), "methods": results}, fh, indent=1)
 
 
 if __name__ == "__main__":

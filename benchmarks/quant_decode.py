@@ -10,7 +10,7 @@ greedy decode steps over a paged KV cache, each decode step replayed from its ca
 the engine does (``--eager``: the Python forward every step). Methods are measured round-robin in one process
 so machine noise hits them alike; the best round per method is reported, with the ratio to
 float32 ("none"). Besides wall-clock tok/s it reports the process CPU time per decode step:
-with ``OMP_NUM_THREADS=1 FD_QUANT_KERNEL_THREADS=1`` that is the work per token, a number a
+with ``OMP_NUM_THREADS=1 FD_CPU_KERNEL_THREADS=1`` that is the work per token, a number a
 busy shared machine does not distort (wall time there is mostly waiting for a core).
 Not part of the test suite.
 """
@@ -151,7 +151,7 @@ def main() -> None:
     base_cpu = min(runs["none"]["cpu_ms"]) if "none" in runs else None
     results = {}
     print(
-        f"threads: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} FD_QUANT_KERNEL_THREADS={os.environ.get('FD_QUANT_KERNEL_THREADS', '-')}"
+        f"threads: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} FD_CPU_KERNEL_THREADS={os.environ.get('FD_CPU_KERNEL_THREADS', '-')}"
     )
     print(
         f"{'method':<16}{'weights MiB':>12}{'prefill ms':>12}{'decode tok/s':>14}{'vs fp32':>9}{'CPU ms/tok':>12}{'vs fp32':>9}  first tokens"
@@ -174,8 +174,11 @@ def main() -> None:
             f"{r['cpu_ms_per_token']:>12}{r['cpu_vs_float32']!s:>9}  {r['text']!r}"
         )
     if args.json:
+        from run_stamp import run_stamp
+
+        threads = {"omp": os.environ["OMP_NUM_THREADS"], "kernel_pool": os.environ.get("FD_CPU_KERNEL_THREADS")}
         with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+            json.dump({**run_stamp(), "threads": threads, "eager": args.eager, "methods": results}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true", help="thread CPU time, one thread")
     args = parser.parse_args()
     if args.cpu_time:
-        os.environ["OMP_NUM_THREADS"] = os.environ["FD_QUANT_KERNEL_THREADS"] = "1"
+        os.environ["OMP_NUM_THREADS"] = os.environ["FD_CPU_KERNEL_THREADS"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     clock = time.thread_time if args.cpu_time else time.perf_counter
 

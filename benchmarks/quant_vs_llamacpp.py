@@ -25,6 +25,7 @@ import tempfile
 import time
 
 import httpx
+from run_stamp import run_stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -66,14 +67,14 @@ def llamacpp(model: str, threads: int, tokens: int, rounds: int) -> float:
 
 
 def ours(threads: int, tokens: int, rounds: int, methods: str = "none,wint8,wint4") -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), FD_QUANT_KERNEL_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), FD_CPU_KERNEL_THREADS=str(threads))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ours.json")
         cmd = [sys.executable, os.path.join(HERE, "quant_decode.py"), "--methods", methods,
                "--tokens", str(tokens), "--rounds", str(rounds), "--json", out]  # fmt: skip
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(out) as fh:
-            return json.load(fh)
+            return json.load(fh)["methods"]
 
 
 def main() -> None:
@@ -92,9 +93,10 @@ def main() -> None:
     q8 = os.path.join(HERE, ".peers", "smollm2-q8_0.gguf")
     if not os.path.exists(q8):
         subprocess.run([sys.executable, os.path.join(HERE, "make_q8_0_gguf.py"), q4, q8], check=True)
+    stamp = run_stamp()
     record = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{os.cpu_count()} vCPU {platform.processor() or platform.machine()}",
+        **stamp,
+        "machine": f"{stamp['cpus']} vCPU {stamp['cpu_model']} ({platform.machine()})",
         "load_before": os.getloadavg(),
         "runs": [],
     }

@@ -263,20 +263,22 @@ def main() -> None:
         results = run_engine(args) if args.stack == "fastdeploy" else run_hf(args)
         print(json.dumps(results))
         return
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    from run_stamp import run_stamp
+
+    stamp = run_stamp()
     load_before = _load()
     ours = _child(args, "fastdeploy")
     hf = _child(args, "hf") if args.hf else None
     print(
-        f"quick_bench {started}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
-        f"{os.cpu_count()} CPUs, load average (1m/5m) {load_before} before, {_load()} after"
+        f"quick_bench {stamp['date']}, {stamp['cpu_model']}, {stamp['cpus']} CPUs, "
+        f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, load average (1m/5m) {load_before} before, {_load()} after"
     )
     print_table(ours, hf)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(
                 {
-                    "date": started,
+                    **stamp,
                     "load_before": load_before,
                     "load_after": _load(),
                     "omp_num_threads": os.environ["OMP_NUM_THREADS"],

@@ -6,16 +6,19 @@ random dataset), greedy, ``max_tokens`` = --output-len. All servers are started 
 concurrency level runs on each server in turn (one benchmark at a time: they would fight over
 the 2 cores otherwise; an idle server costs next to nothing). Each row records the load average
 before and after it and the server's RSS (ours: the engine core process). Writes
-benchmarks/results/serve_vs_llamacpp[_TAG].{json,png,md}.
+benchmarks/results/serve_vs_llamacpp.{json,png,md}, stamped with the date and CPU model (the current
+result; move the one it replaces to results/history/ first, named by its date and what changed in
+the code it measured), or serve_vs_llamacpp_TAG.* with ``--tag`` for a variant such as a peer
+setting.
 
 The fair llama.cpp peer is its native ``llama-server -np N`` (batches requests over parallel
 slots), built from the llama.cpp source vendored in the llama-cpp-python sdist with cmake
 (``-DLLAMA_CURL=OFF``, ``--target llama-server``) into benchmarks/.peers/llamacpp-native/.
 ``python -m llama_cpp.server`` (``--servers ...,llama-cpp-python``, its own venv under
-benchmarks/.peers/llamacpp) serves one request at a time behind a lock (MEASURED.md)::
+benchmarks/.peers/llamacpp) serves one request at a time behind a lock::
 
     .venv/bin/python benchmarks/serve_vs_llamacpp.py                      # ours and llama-server
-    .venv/bin/python benchmarks/serve_vs_llamacpp.py --servers ours --tag ours_only
+    .venv/bin/python benchmarks/serve_vs_llamacpp.py --servers ours --tag ours-only
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import sys
 import time
 
 import httpx
+from run_stamp import run_stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -138,7 +142,8 @@ def main() -> None:
     parser.add_argument("--levels", default="1,16,64")
     parser.add_argument("--servers", default="ours,llama-server",
                         help=f"comma-separated, in order: {', '.join(SERVERS)} (llama-server only if built)")
-    parser.add_argument("--tag", default="", help="suffix of the result files (default: none)")
+    parser.add_argument("--tag", default="",
+                        help="suffix naming a variant run, e.g. llama-server-np16 (default: none, the current result)")
     parser.add_argument("--llama-slots", type=int, default=64, help="llama-server -np (parallel slots)")
     args = parser.parse_args()
     global LLAMA_SLOTS
@@ -204,9 +209,10 @@ def main() -> None:
         for proc, _ in started.values():
             stop(proc)
 
+    stamp = run_stamp()
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+        **stamp,
+        "machine": f"{stamp['cpu_model']} ({platform.machine()}), {stamp['cpus']} cpus",
         "load_before": load_before,
         "load_after": load(),
         "model": default_model_path(),

@@ -376,7 +376,7 @@ std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
 // Speed (Zen 4, 2026-11-30): a decode step's 120 projections (66 MB) at batch 1 stream ~20-24 GB/s
 // from one thread (the float-FMA layout: ~11), near this VM's ~25 GB/s; at 2-8 rows and in prefill
 // the loop is bound by vpdpbusd (1 per cycle: 2 pieces x rows x 8 per 256 weights), ~2.2x the
-// float-FMA loop. See benchmarks/quant_kernels.md, Session 3.
+// float-FMA loop. See benchmarks/quant_kernels.md, "int4 with integer dot products (AVX-512 VNNI)".
 
 constexpr int64_t kVnniChunk = 8;                  // k per chunk
 constexpr int kPieceMax = 32639;                   // |a| bound: a = 256 * hi + lo with hi, lo int8
