@@ -36,7 +36,7 @@ def main() -> None:
 
     from fastdeploy_core.builtin.cpu.layout import pack_column_tiles, pack_int4_vnni_tiles
     from fastdeploy_core.builtin.cpu.kernels import load_kernels
-    from fastdeploy_core.quantization.weight_only import quantize_int4
+    from fastdeploy_core.quantization.codes import quantize_int4
 
     assert load_kernels() is not None
     from paddle import _C_ops

@@ -35,7 +35,8 @@ def main() -> None:
 
     from fastdeploy_core.quantization.fp8 import quantize_block_fp8
     from fastdeploy_core.builtin.cpu.kernels import load_kernels
-    from fastdeploy_core.quantization.weight_only import int8_linear_reference, quantize_int4, quantize_int8
+    from fastdeploy_core.quantization.weight_only import int8_linear_reference
+    from fastdeploy_core.quantization.codes import quantize_int4, quantize_int8
 
     k = load_kernels()
     assert k is not None, "kernels did not build"

@@ -161,11 +161,14 @@ class QuantizerBase(LinearMethodBase):
         (llama.cpp keeps it Q8_0 in its Q4 files for the same reason); int8 per channel costs
         it almost no accuracy, 4 bits would.
         """
-        if self.config.lm_head_quant_type == "wint8":
-            from fastdeploy_core.quantization.weight_only import WeightOnlyInt8
+        if self.config.lm_head_quant_type is None:
+            return None
+        # Built by name through the registry: the base never imports the methods derived from it.
+        from fastdeploy_core.quantization.registry import build_quantizer
 
-            return WeightOnlyInt8({"modules_to_not_convert": self.config.modules_to_not_convert})
-        return None
+        return build_quantizer(
+            self.config.lm_head_quant_type, {"modules_to_not_convert": self.config.modules_to_not_convert}, None
+        )
 
     # ---- storage ------------------------------------------------------------------------------
     def storage_shapes(self, input_size: int, output_size: int) -> dict[str, tuple[list[int], str]]:
@@ -404,21 +407,3 @@ def expand_groups(scale: paddle.Tensor, group_size: int, rows: int) -> paddle.Te
     if int(scale.shape[0]) == 1:
         return scale
     return paddle.repeat_interleave(scale, group_size, axis=0)[:rows]
-
-
-def num_groups(rows: int, group_size: int) -> int:
-    return -(-rows // group_size)
-
-
-def grouped_abs_max(weight: np.ndarray, group_size: int) -> np.ndarray:
-    """``max |w|`` over each group of rows of ``weight [K, n]`` -> ``[G, n]``."""
-    rows = weight.shape[0]
-    groups = num_groups(rows, group_size)
-    pad = groups * group_size - rows
-    padded = np.pad(np.abs(weight), ((0, pad), (0, 0))) if pad else np.abs(weight)
-    return padded.reshape(groups, group_size, -1).max(axis=1)
-
-
-def repeat_rows(per_group: np.ndarray, group_size: int, rows: int) -> np.ndarray:
-    """numpy twin of :func:`expand_groups`."""
-    return np.repeat(per_group, group_size, axis=0)[:rows]

@@ -12,8 +12,7 @@ import numpy as np
 import paddle
 
 from fastdeploy_core.errors import ModelLoadError
-from fastdeploy_core.quantization.base import num_groups
-from fastdeploy_core.quantization.weight_only import quantize_int8
+from fastdeploy_core.quantization.codes import num_groups, quantize_int8
 
 
 class Int8EmbeddingMethod:

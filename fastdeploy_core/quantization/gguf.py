@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastdeploy_core.errors import ModelLoadError
-from fastdeploy_core.quantization.weight_only import pack_int4
+from fastdeploy_core.quantization.codes import pack_int4
 
 BLOCK = 32
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}

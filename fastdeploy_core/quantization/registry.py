@@ -18,10 +18,12 @@ Every problem is a :class:`~fastdeploy_core.errors.QuantizationError`.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastdeploy_core.errors import QuantizationError
-from fastdeploy_core.quantization.base import QuantizerBase
+
+if TYPE_CHECKING:
+    from fastdeploy_core.quantization.base import QuantizerBase
 
 #: HF ``quant_method`` names -> our registry names (when they differ).
 HF_METHOD_NAMES = {"fp8": "block_wise_fp8"}

@@ -25,15 +25,8 @@ from pydantic import Field
 
 from fastdeploy_core.devices.current import current_ops
 from fastdeploy_core.layers.weights import replace_parameter
-from fastdeploy_core.quantization.base import (
-    QuantizerBase,
-    QuantizerConfig,
-    add_bias,
-    expand_groups,
-    grouped_abs_max,
-    num_groups,
-    repeat_rows,
-)
+from fastdeploy_core.quantization.base import QuantizerBase, QuantizerConfig, add_bias, expand_groups
+from fastdeploy_core.quantization.codes import num_groups, quantize_int4, quantize_int8
 
 
 # ---- the formulas every device op must match ----------------------------------------------------
@@ -85,43 +78,6 @@ def int4_linear_reference(
         codes, row_scale = quantize_rows_int8(x)
         return add_bias(paddle.matmul(codes, int4_weight(weight, scale, offset, group_size)) * row_scale, bias)
     return add_bias(paddle.matmul(x, int4_weight(weight, scale, offset, group_size)), bias)
-
-
-# ---- numpy conversion (online quantization, GGUF blocks) ---------------------------------------
-def quantize_int8(weight: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
-    """Float ``[K, n]`` -> ``{"weight": int8 [K, n], "weight_scale": [G, n]}`` (symmetric, round to nearest)."""
-    rows = weight.shape[0]
-    scale = grouped_abs_max(weight, group_size) / 127.0
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    codes = np.clip(np.rint(weight / repeat_rows(scale, group_size, rows)), -127, 127).astype(np.int8)
-    return {"weight": codes, "weight_scale": scale}
-
-
-def pack_int4(codes: np.ndarray) -> np.ndarray:
-    """Codes ``[K, n]`` in [0, 15] -> ``uint8 [K / 2, n]`` (even rows low nibble, odd rows high)."""
-    codes = codes.astype(np.uint8)
-    return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
-
-
-def quantize_int4(weight: np.ndarray, group_size: int, has_zero_point: bool) -> dict[str, np.ndarray]:
-    """Float ``[K, n]`` -> packed codes, ``weight_scale`` and ``weight_offset [G, n]``."""
-    rows = weight.shape[0]
-    groups = num_groups(rows, group_size)
-    pad = groups * group_size - rows
-    if has_zero_point:
-        padded = np.pad(weight, ((0, pad), (0, 0)), mode="edge") if pad else weight
-        blocks = padded.reshape(groups, group_size, -1)
-        low, high = blocks.min(axis=1), blocks.max(axis=1)
-        scale = (high - low) / 15.0
-        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-        offset = low.astype(np.float32)
-    else:
-        scale = grouped_abs_max(weight, group_size) / 7.0
-        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-        offset = (-8.0 * scale).astype(np.float32)
-    codes = np.rint((weight - repeat_rows(offset, group_size, rows)) / repeat_rows(scale, group_size, rows))
-    codes = np.clip(codes, 0, 15)
-    return {"weight": pack_int4(codes), "weight_scale": scale, "weight_offset": offset}
 
 
 # ---- the methods -----------------------------------------------------------------------------

@@ -26,13 +26,8 @@ from fastdeploy_core.builtin.cpu.layout import (
 )
 from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.quantization.w4a8 import W4A8
-from fastdeploy_core.quantization.weight_only import (
-    WeightOnlyInt4,
-    int4_codes,
-    int4_linear_reference,
-    pack_int4,
-    quantize_int4,
-)
+from fastdeploy_core.quantization.weight_only import WeightOnlyInt4, int4_codes, int4_linear_reference
+from fastdeploy_core.quantization.codes import pack_int4, quantize_int4
 
 
 def gaussian(rng, shape):

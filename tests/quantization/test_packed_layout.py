@@ -23,7 +23,8 @@ from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.quantization.fp8 import BlockWiseFP8, quantize_block_fp8
 from fastdeploy_core.quantization.w4a8 import W4A8
 from fastdeploy_core.quantization.w8a8 import W8A8
-from fastdeploy_core.quantization.weight_only import WeightOnlyInt4, WeightOnlyInt8, quantize_int4, quantize_int8
+from fastdeploy_core.quantization.weight_only import WeightOnlyInt4, WeightOnlyInt8
+from fastdeploy_core.quantization.codes import quantize_int4, quantize_int8
 
 
 def gaussian(rng, shape):

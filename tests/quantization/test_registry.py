@@ -199,7 +199,8 @@ THIRD_PARTY = '''
 import paddle
 from fastdeploy_core import PLUGIN_API_VERSION
 from fastdeploy_core.hookspecs import hookimpl
-from fastdeploy_core.quantization.weight_only import WeightOnlyInt8, quantize_int8
+from fastdeploy_core.quantization.weight_only import WeightOnlyInt8
+from fastdeploy_core.quantization.codes import quantize_int8
 
 FD_PLUGIN_API_VERSION = PLUGIN_API_VERSION
 
