@@ -54,7 +54,9 @@ def run_engine_core(
     """
     # Paddle pins OMP to one thread at import when unset; the engine gets the whole machine.
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(message)s", stream=sys.stderr
+    )
     # Ctrl-C reaches the whole process group; the API process decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stopping = {"flag": False}

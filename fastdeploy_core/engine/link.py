@@ -115,7 +115,6 @@ class LinkEnd:
                 peer,
                 reason,
             )
-        return None
 
 
 # ---- messages <-> JSON -----------------------------------------------------------------------

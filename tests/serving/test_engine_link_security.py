@@ -188,11 +188,13 @@ def test_pickle_sent_to_the_engine_port_runs_nothing_and_the_server_keeps_servin
         expected = baseline.json()["choices"][0]["text"]
 
         # the only listening socket of the link is the API process's, on 127.0.0.1; the core binds nothing
-        api_listen = [c.laddr for c in psutil.Process(srv.proc.pid).net_connections("inet")
-                      if c.status == psutil.CONN_LISTEN]
+        api_listen = [
+            c.laddr for c in psutil.Process(srv.proc.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN
+        ]
         assert ("127.0.0.1", queue_port) in [(a.ip, a.port) for a in api_listen]
-        core_listen = [c for c in psutil.Process(info["engine_core_pid"]).net_connections("all")
-                       if c.status == psutil.CONN_LISTEN]
+        core_listen = [
+            c for c in psutil.Process(info["engine_core_pid"]).net_connections("all") if c.status == psutil.CONN_LISTEN
+        ]
         assert core_listen == []
 
         endpoint = f"tcp://127.0.0.1:{queue_port}"
@@ -208,6 +210,7 @@ def test_pickle_sent_to_the_engine_port_runs_nothing_and_the_server_keeps_servin
         req.connect(endpoint)
         req.send(_evil(markers[2]))
         time.sleep(1.0)
+        assert [m.name for m in markers if m.exists()] == [], "a stranger's pickle ran code in the server"
 
         # strangers still connected: every request reaches the real core and answers exactly
         for _ in range(4):
