@@ -126,7 +126,10 @@ class ServerConfig(_Section):
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)
     metrics_port: int | None = Field(None, ge=1, le=65535)
-    engine_worker_queue_port: int | None = Field(None, ge=1, le=65535)
+    engine_worker_queue_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="127.0.0.1 port of the API/engine-core link (free port if unset); frames are HMAC-checked",
+    )
     api_key: list[str] = Field(default_factory=list)
     max_concurrency: int = Field(512, ge=1)
     max_waiting_time: float = Field(-1, description="seconds a request may wait; -1 = forever")

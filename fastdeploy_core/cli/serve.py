@@ -71,7 +71,7 @@ def serve(
     host: str | None = typer.Option(None, "--host", help="Address to listen on (default: 0.0.0.0)."),
     port: int | None = typer.Option(None, "--port", help="HTTP port (default: 8000)."),
     metrics_port: int | None = typer.Option(None, "--metrics-port", help="Also serve /metrics on this port (always on the main port too)."),
-    engine_worker_queue_port: int | None = typer.Option(None, "--engine-worker-queue-port", help="127.0.0.1 port between the API process and the engine core (default: a free port)."),
+    engine_worker_queue_port: int | None = typer.Option(None, "--engine-worker-queue-port", help="127.0.0.1 port of the link between the API process and the engine core (default: a free port). Any local process can connect to it, so every frame carries a per-launch secret and strangers' frames are dropped (docs/security.md)."),
     max_model_len: int | None = typer.Option(None, "--max-model-len", help="Longest sequence (prompt + output) in tokens (default: the model's)."),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="Sequences in one batch (default: 64)."),
     max_num_batched_tokens: int | None = typer.Option(None, "--max-num-batched-tokens", help="Token budget of one engine step."),

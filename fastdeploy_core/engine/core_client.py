@@ -1,7 +1,18 @@
 """The API process's side of the engine core: start it, feed it, stream its outputs back.
 
 :class:`EngineCoreClient` owns the core process and the socket (see
-:mod:`fastdeploy_core.engine.core_process` for the messages). :class:`AsyncEngineClient` turns
+:mod:`fastdeploy_core.engine.core_process` for the messages and
+:mod:`fastdeploy_core.engine.link` for how each frame is authenticated).
+
+The socket is a ROUTER bound on ``127.0.0.1:--engine-worker-queue-port`` (a free port when the
+flag is unset): the port stays what FastDeploy users know, and because any local process can
+connect to it, the socket trusts no connection, only frames. A frame counts only if it carries
+this launch's HMAC; replies go only to the connection the last authentic frame came from, so a
+stranger that connects neither reaches the engine nor receives a single request. A Unix socket
+in a private directory would also keep strangers out, but it would take the port away from the
+users who pass it, so the link stays on TCP and relies on the per-frame secret.
+
+:class:`AsyncEngineClient` turns
 that into one async stream of :class:`RequestOutput` per request: it runs the
 :class:`OutputProcessor` (incremental detokenization, stop strings) in the API process, aborts a
 request in the core when a stop string matches or when its consumer goes away, and fails every
@@ -22,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from fastdeploy_core.engine.core_process import run_engine_core
+from fastdeploy_core.engine.link import LinkEnd, new_secret
 from fastdeploy_core.errors import ConfigError, EngineDeadError, FastDeployError
 
 logger = logging.getLogger("fastdeploy.engine_client")
@@ -40,6 +52,10 @@ class RemoteError(FastDeployError):
 class EngineCoreClient:
     """Starts the engine core process and talks to it over 127.0.0.1:``port`` (free port if None)."""
 
+    #: Largest frame the socket accepts; a stranger's bigger frame closes its connection before it
+    #: is buffered. Real outputs stay far below it (prompt logprobs of a very long prompt: ~100 MB).
+    MAX_FRAME_BYTES = 1 << 30
+
     def __init__(self, engine_args: dict[str, Any], port: int | None = None, log_level: int = logging.INFO):
         self.engine_args = engine_args
         self.requested_port = port
@@ -49,11 +65,23 @@ class EngineCoreClient:
         self.ready_info: dict[str, Any] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
+        self._secret = new_secret()
+        self._link = LinkEnd(self._secret, "api")
+        #: ROUTER id of the core's connection, learnt from its first authentic frame.
+        self._peer: bytes | None = None
+
+    @property
+    def rejected_frames(self) -> int:
+        """Frames dropped because they did not come from this launch's engine core."""
+        return self._link.rejected
 
     def _bind(self) -> str:
         self._ctx = zmq.asyncio.Context()
-        sock = self._ctx.socket(zmq.DEALER)
+        sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        # A ROUTER drops what it cannot queue; the core's inputs must never be dropped.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.MAX_FRAME_BYTES)
         try:
             if self.requested_port:
                 sock.bind(f"tcp://127.0.0.1:{self.requested_port}")
@@ -77,7 +105,8 @@ class EngineCoreClient:
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(
             target=run_engine_core,
-            args=(self.engine_args, address, os.getpid(), self.log_level),
+            # The secret travels in the spawn pipe, never on a command line, in the environment or a log.
+            args=(self.engine_args, address, self._secret, os.getpid(), self.log_level),
             name="fastdeploy-engine-core",
             daemon=True,
         )
@@ -86,7 +115,9 @@ class EngineCoreClient:
         deadline = time.monotonic() + timeout
         while True:
             if await self._sock.poll(200, zmq.POLLIN):
-                msg = await self._sock.recv_pyobj()
+                msg = await self._recv_authentic()
+                if msg is None:
+                    continue
                 if msg[0] == "ready":
                     self.ready_info = msg[1]
                     return self.ready_info
@@ -103,11 +134,24 @@ class EngineCoreClient:
                 raise EngineDeadError(f"engine core did not become ready within {timeout:.0f} s")
 
     def send(self, msg: tuple) -> None:
-        if self._sock is not None and not self._sock.closed:
-            self._sock.send_pyobj(msg)
+        """Seal ``msg`` and queue it for the core (dropped if the core never said hello)."""
+        if self._sock is not None and not self._sock.closed and self._peer is not None:
+            self._sock.send_multipart([self._peer, *self._link.seal(msg)])
 
     async def recv(self) -> tuple:
-        return await self._sock.recv_pyobj()
+        """The next message from the core; frames from anyone else are dropped on the way."""
+        while True:
+            msg = await self._recv_authentic()
+            if msg is not None:
+                return msg
+
+    async def _recv_authentic(self) -> tuple | None:
+        peer, *frames = await self._sock.recv_multipart()
+        msg = self._link.open(frames, peer=f"connection {peer.hex()}")
+        if msg is not None:
+            # Only the core holds the secret, so this is its connection (new one if it reconnected).
+            self._peer = peer
+        return msg
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Ask the core to stop, then terminate and kill it if it does not; free the port."""
@@ -157,10 +201,6 @@ class AsyncEngineClient:
     @property
     def config_info(self) -> dict[str, Any]:
         return self.core.ready_info.get("config_info", {})
-
-    @property
-    def is_dead(self) -> bool:
-        return self.dead_error is not None
 
     async def start(self) -> None:
         info = await self.core.start()

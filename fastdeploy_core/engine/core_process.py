@@ -1,7 +1,9 @@
 """The engine core in its own process, driven over one pyzmq DEALER socket on 127.0.0.1.
 
-The API process binds the socket (so the port it picked is really free) and starts this process,
-which connects back. Messages are pickled tuples:
+The API process binds the socket (a ROUTER on ``--engine-worker-queue-port``, or a free port, so
+the port it picked is really free) and starts this process, which connects back. Every frame in
+both directions is sealed with the launch's secret and checked before it is decoded (see
+:mod:`fastdeploy_core.engine.link`); bodies are JSON, never pickle. Messages are tuples:
 
 API -> core: ``("add", EngineCoreRequest)``, ``("abort", [request_id, ...])``, ``("shutdown",)``
 core -> API: ``("ready", info)``, ``("startup_failed", error)``, ``("outputs", [EngineCoreOutput], stats)``,
@@ -9,7 +11,8 @@ core -> API: ``("ready", info)``, ``("startup_failed", error)``, ``("outputs", [
 
 where ``error`` is a dict ``{message, type, status, param, code}`` (typed errors keep their
 HTTP status across the process boundary). Inputs are drained between steps, so an abort frees
-the request's KV blocks before the next step runs.
+the request's KV blocks before the next step runs. This process binds nothing: the only socket
+it has is the one it connects to the API process.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ IDLE_POLL_MS = 100
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:
-    """A picklable description of ``exc`` that keeps the HTTP mapping of typed errors."""
+    """A JSON-ready description of ``exc`` that keeps the HTTP mapping of typed errors."""
     return {
         "message": getattr(exc, "message", None) or str(exc) or type(exc).__name__,
         "type": getattr(exc, "error_type", "internal_error"),
@@ -40,15 +43,20 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def run_engine_core(engine_args: dict[str, Any], address: str, parent_pid: int, log_level: int = logging.INFO) -> None:
+def run_engine_core(
+    engine_args: dict[str, Any], address: str, secret: bytes, parent_pid: int, log_level: int = logging.INFO
+) -> None:
     """Process entry point: build the engine, then serve requests until told to stop.
 
-    ``engine_args`` is ``EngineArgs.flat()``; ``parent_pid`` lets the core exit on its own when the
+    ``engine_args`` is ``EngineArgs.flat()``; ``secret`` authenticates every frame on the link
+    (it is this launch's, from the API process); ``parent_pid`` lets the core exit on its own when the
     API process disappears without a goodbye (SIGKILL), so no core is ever orphaned.
     """
     # Paddle pins OMP to one thread at import when unset; the engine gets the whole machine.
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(message)s", stream=sys.stderr
+    )
     # Ctrl-C reaches the whole process group; the API process decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stopping = {"flag": False}
@@ -60,18 +68,36 @@ def run_engine_core(engine_args: dict[str, Any], address: str, parent_pid: int, 
 
     import zmq
 
+    from fastdeploy_core.engine.link import LinkEnd
+
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(address)
     try:
-        _serve(sock, engine_args, parent_pid, stopping)
+        _serve(_CoreLink(sock, LinkEnd(secret, "core"), address), engine_args, parent_pid, stopping)
     finally:
         sock.close()
         ctx.term()
 
 
-def _serve(sock, engine_args: dict[str, Any], parent_pid: int, stopping: dict[str, bool]) -> None:
+class _CoreLink:
+    """The core's end of the socket: sends sealed messages, receives only authentic ones."""
+
+    def __init__(self, sock: Any, link: Any, address: str):
+        self.sock = sock
+        self.link = link
+        self.address = address
+
+    def send(self, msg: tuple) -> None:
+        self.sock.send_multipart(self.link.seal(msg))
+
+    def recv(self) -> tuple | None:
+        """The next message, or None if the frame was not the API process's (it is dropped)."""
+        return self.link.open(self.sock.recv_multipart(), peer=f"the API socket {self.address}")
+
+
+def _serve(link: _CoreLink, engine_args: dict[str, Any], parent_pid: int, stopping: dict[str, bool]) -> None:
     import zmq
 
     try:
@@ -82,13 +108,13 @@ def _serve(sock, engine_args: dict[str, Any], parent_pid: int, stopping: dict[st
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits with it
         logger.error("engine core failed to start: %s", exc)
         logger.debug("%s", traceback.format_exc())
-        sock.send_pyobj(("startup_failed", error_payload(exc)))
+        link.send(("startup_failed", error_payload(exc)))
         return
 
-    sock.send_pyobj(("ready", _ready_info(engine)))
+    link.send(("ready", _ready_info(engine)))
     logger.info("engine core ready (pid %d)", os.getpid())
     poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
+    poller.register(link.sock, zmq.POLLIN)
     stats_dirty = False
     last_parent_check = time.monotonic()
 
@@ -96,16 +122,18 @@ def _serve(sock, engine_args: dict[str, Any], parent_pid: int, stopping: dict[st
         busy = engine.has_unfinished_requests()
         timeout = 0 if busy else IDLE_POLL_MS
         # Drain every pending input before the next step: adds join the batch, aborts free blocks.
-        while dict(poller.poll(timeout)).get(sock):
+        while dict(poller.poll(timeout)).get(link.sock):
             timeout = 0
-            msg = sock.recv_pyobj()
+            msg = link.recv()
+            if msg is None:
+                continue
             kind = msg[0]
             if kind == "add":
                 request = msg[1]
                 try:
                     engine.add_request(request)
                 except Exception as exc:  # noqa: BLE001 - a bad request must not kill the core
-                    sock.send_pyobj(("request_error", request.request_id, error_payload(exc)))
+                    link.send(("request_error", request.request_id, error_payload(exc)))
             elif kind == "abort":
                 engine.abort_requests(list(msg[1]))
             elif kind == "shutdown":
@@ -127,12 +155,12 @@ def _serve(sock, engine_args: dict[str, Any], parent_pid: int, stopping: dict[st
                 outputs = engine.step()
             except Exception as exc:  # noqa: BLE001 - fatal: report why, then exit
                 logger.error("engine step failed, engine core stops:\n%s", traceback.format_exc())
-                sock.send_pyobj(("dead", error_payload(exc)))
+                link.send(("dead", error_payload(exc)))
                 raise SystemExit(1) from None
-            sock.send_pyobj(("outputs", outputs, engine.get_stats()))
+            link.send(("outputs", outputs, engine.get_stats()))
             stats_dirty = False
         elif stats_dirty:
-            sock.send_pyobj(("stats", engine.get_stats()))
+            link.send(("stats", engine.get_stats()))
             stats_dirty = False
     logger.info("engine core shutting down")
 
