@@ -82,7 +82,6 @@ class Request:
     #: Prompt logprobs gathered chunk by chunk (index i: logprobs of prompt token i; 0 is None).
     prompt_logprobs: list[Any] | None = None
     prompt_logprobs_sent: bool = False
-    has_new_output: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -230,7 +230,6 @@ class Scheduler:
                 bm.cache_full_blocks(req)
                 continue
             req.append_output_token(int(token))
-            req.has_new_output = True
             if req.first_token_time is None:
                 req.first_token_time = now
             bm.cache_full_blocks(req)
