@@ -25,9 +25,10 @@ instead of all waiting for one long step. The first prompt of a step that cannot
 (``enable_chunked_prefill=False``) is taken whole.
 
 Policies: ``fcfs`` (arrival order) and ``priority`` (lower ``priority`` value first, then
-arrival). :meth:`Scheduler.update` takes the sampled tokens back (the runner's
-:class:`~fastdeploy_core.executor.step_io.RunnerOutput`) and finishes requests on eos /
-``stop_token_ids`` (after ``min_tokens``), ``max_tokens`` or ``max_model_len``.
+arrival). :meth:`Scheduler.update` takes the sampled tokens back (``sampled_token_ids`` of
+the runner's :class:`~fastdeploy_core.executor.step_io.RunnerOutput`; the engine core keeps the
+logprobs) and finishes requests on eos / ``stop_token_ids`` (after ``min_tokens``),
+``max_tokens`` or ``max_model_len``.
 
 :meth:`Scheduler.schedule` returns a :class:`ScheduledBatch` of the engine's own requests;
 :meth:`ScheduledBatch.runner_input` turns it into the plain rows the runner reads
