@@ -188,15 +188,6 @@ class BlockManager:
         req.block_table = []
         self._num_registered.pop(req.request_id, None)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no request holds."""
-        for block_id in self._free:
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                self._cached.pop(block.block_hash, None)
-                block.block_hash = None
-                block.token_ids = None
-
     # ---- checking --------------------------------------------------------------------------
     def check_invariants(self, live_requests: list[Request]) -> None:
         """Assert the books balance against ``live_requests`` (used by the property tests)."""

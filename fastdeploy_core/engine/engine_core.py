@@ -291,18 +291,24 @@ class EngineCore:
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, sample, and report what changed."""
-        sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
             return []
         started = time.perf_counter()
-        sampled = self.runner.execute_model(sched_out)
+        result = self.runner.execute_model(batch.runner_input())
         if self.prompt_sizer is not None:
-            prompt_tokens = sum(n for _, n in sched_out.scheduled if n > 1)
-            self.prompt_sizer.observe(prompt_tokens, sched_out.num_scheduled_tokens, time.perf_counter() - started)
+            prompt_tokens = sum(n for _, n in batch.scheduled if n > 1)
+            self.prompt_sizer.observe(prompt_tokens, batch.num_scheduled_tokens, time.perf_counter() - started)
             self.scheduler.prompt_token_cap = self.prompt_sizer.cap
-        self.scheduler.update(sched_out, sampled)
+        for (req, _), entries in zip(batch.scheduled, result.prompt_logprobs):
+            if entries is not None:
+                if req.prompt_logprobs is None:
+                    req.prompt_logprobs = [None]
+                req.prompt_logprobs.extend(entries)
+        sampled = result.sampled_token_ids
+        self.scheduler.update(batch, sampled)
         outputs: list[EngineCoreOutput] = []
-        for (req, _), token in zip(sched_out.scheduled, sampled):
+        for (req, _), token, lp in zip(batch.scheduled, sampled, result.logprobs):
             if token is None or req.status == RequestStatus.FINISHED_ABORTED:
                 continue
             self.num_generation_tokens_total += 1
@@ -310,15 +316,12 @@ class EngineCore:
             if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 prompt_logprobs = req.prompt_logprobs
                 req.prompt_logprobs_sent = True
-            logprobs = None
-            if req.pending_logprobs:
-                logprobs, req.pending_logprobs = req.pending_logprobs, []
             outputs.append(
                 EngineCoreOutput(
                     request_id=req.parent_id,
                     index=req.index,
                     new_token_ids=[token],
-                    new_logprobs=logprobs,
+                    new_logprobs=[lp] if lp is not None else None,
                     prompt_logprobs=prompt_logprobs,
                     finished=req.is_finished,
                     finish_reason=req.status.finish_reason,

@@ -129,10 +129,6 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
-
     def prepare_sampling_params(self, params: SamplingParams) -> SamplingParams:
         """Fill ``bad_words_token_ids`` from ``bad_words`` (the core has no tokenizer).
 

@@ -77,12 +77,9 @@ class Request:
     finish_time: float | None = None
     #: Per-request random stream (seeded requests draw only from it).
     generator: np.random.Generator | None = None
-    #: Logprobs of the tokens generated since the last output was emitted.
-    pending_logprobs: list[dict[int, float]] = field(default_factory=list)
     #: Prompt logprobs gathered chunk by chunk (index i: logprobs of prompt token i; 0 is None).
     prompt_logprobs: list[Any] | None = None
     prompt_logprobs_sent: bool = False
-    has_new_output: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -25,8 +25,14 @@ instead of all waiting for one long step. The first prompt of a step that cannot
 (``enable_chunked_prefill=False``) is taken whole.
 
 Policies: ``fcfs`` (arrival order) and ``priority`` (lower ``priority`` value first, then
-arrival). :meth:`Scheduler.update` takes the sampled tokens back and finishes requests on
-eos / ``stop_token_ids`` (after ``min_tokens``), ``max_tokens`` or ``max_model_len``.
+arrival). :meth:`Scheduler.update` takes the sampled tokens back (``sampled_token_ids`` of
+the runner's :class:`~fastdeploy_core.executor.step_io.RunnerOutput`; the engine core keeps the
+logprobs) and finishes requests on eos / ``stop_token_ids`` (after ``min_tokens``),
+``max_tokens`` or ``max_model_len``.
+
+:meth:`Scheduler.schedule` returns a :class:`ScheduledBatch` of the engine's own requests;
+:meth:`ScheduledBatch.runner_input` turns it into the plain rows the runner reads
+(:class:`~fastdeploy_core.executor.step_io.SchedulerOutput`).
 """
 
 from __future__ import annotations
@@ -38,13 +44,15 @@ from dataclasses import dataclass, field
 
 from fastdeploy_core.engine.block_manager import BlockManager
 from fastdeploy_core.engine.request import Request, RequestStatus
+from fastdeploy_core.executor.step_io import ScheduledRequest, SchedulerOutput
 
 POLICIES = ("fcfs", "priority")
 
 
 @dataclass
-class SchedulerOutput:
-    """One step: ``scheduled[i] = (request, num_new_tokens)`` in batch order."""
+class ScheduledBatch:
+    """One step as the scheduler decided it: ``scheduled[i] = (request, num_new_tokens)`` in
+    batch order, and the requests preempted to make room."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -61,6 +69,28 @@ class SchedulerOutput:
         """Whether request ``index`` reaches its last token this step (so a token is sampled)."""
         req, n = self.scheduled[index]
         return req.num_computed_tokens + n == req.num_tokens
+
+    def runner_input(self) -> SchedulerOutput:
+        """The step as the runner reads it: one plain row per scheduled request."""
+        rows = []
+        for i, (req, n) in enumerate(self.scheduled):
+            done = req.prompt_logprobs
+            rows.append(
+                ScheduledRequest(
+                    request_id=req.request_id,
+                    all_token_ids=req.all_token_ids,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_computed_tokens=req.num_computed_tokens,
+                    num_new_tokens=n,
+                    block_table=req.block_table,
+                    sampling_params=req.sampling_params,
+                    eos_token_ids=req.eos_token_ids,
+                    generator=req.generator,
+                    samples=self.samples(i),
+                    prompt_logprobs_from=len(done) - 1 if done is not None else 0,
+                )
+            )
+        return SchedulerOutput(rows)
 
 
 class Scheduler:
@@ -117,7 +147,7 @@ class Scheduler:
         return len(self.waiting)
 
     # ---- one step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> ScheduledBatch:
         """Pick this step's requests and token counts, allocating their KV blocks."""
         self.running.sort(key=self._key)
         if self.mix_prefill_decode:
@@ -129,7 +159,7 @@ class Scheduler:
                 kinds = ("decode", "prefill") if self.last_step_kind == "prefill" else ("prefill", "decode")
             else:
                 kinds = ("decode",) if decoding else ("prefill",)
-        out = SchedulerOutput()
+        out = ScheduledBatch()
         for kind in kinds:
             self._schedule(kind, out)
             if not out.is_empty:
@@ -137,7 +167,7 @@ class Scheduler:
                 break
         return out
 
-    def _schedule(self, kind: str, out: SchedulerOutput) -> None:
+    def _schedule(self, kind: str, out: ScheduledBatch) -> None:
         """Fill ``out`` with one step of ``kind``: "mixed" (everything), "decode" (running
         requests past their prompt) or "prefill" (prompt chunks of running requests, then
         waiting requests)."""
@@ -216,9 +246,10 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, req, key=self._key)
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+    def update(self, out: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
         """Advance counts by the step's tokens; ``sampled[i]`` is the new token of request ``i``
-        (None while a prompt chunk is not the last). Returns the requests that finished."""
+        (``RunnerOutput.sampled_token_ids``: None while a prompt chunk is not the last).
+        Returns the requests that finished."""
         finished: list[Request] = []
         now = time.time()
         bm = self.block_manager
@@ -230,7 +261,6 @@ class Scheduler:
                 bm.cache_full_blocks(req)
                 continue
             req.append_output_token(int(token))
-            req.has_new_output = True
             if req.first_token_time is None:
                 req.first_token_time = now
             bm.cache_full_blocks(req)

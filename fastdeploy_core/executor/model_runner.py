@@ -2,7 +2,8 @@
 
 It builds the model through the plugin registry (device -> ops table -> model class ->
 weights), sizes and allocates the paged KV cache, and executes one
-:class:`~fastdeploy_core.engine.scheduler.SchedulerOutput` per step:
+:class:`~fastdeploy_core.executor.step_io.SchedulerOutput` per step, returning a
+:class:`~fastdeploy_core.executor.step_io.RunnerOutput` (it writes into no engine state):
 
 * every scheduled token of every request is flattened into one ragged batch
   (:class:`~fastdeploy_core.executor.forward_meta.ForwardMeta`: input ids, positions, slot
@@ -27,10 +28,10 @@ import paddle
 
 from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.devices.current import set_current_ops
-from fastdeploy_core.engine.scheduler import SchedulerOutput
 from fastdeploy_core.errors import ConfigError, ModelLoadError, OutOfKVCacheError
 from fastdeploy_core.executor.forward_meta import ForwardMeta
 from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs
+from fastdeploy_core.executor.step_io import RunnerOutput, SchedulerOutput
 from fastdeploy_core.host_memory import returned_after_loading
 
 logger = logging.getLogger(__name__)
@@ -219,15 +220,15 @@ class ModelRunner:
 
         ``host_only``: ``input_ids``, ``positions``, ``slot_mapping`` and ``logits_indices`` stay
         numpy arrays (a captured graph copies them into its own buffers)."""
-        reqs = [r for r, _ in out.scheduled]
-        q_lens = np.fromiter((n for _, n in out.scheduled), dtype=np.int64, count=len(reqs))
+        reqs = out.requests
+        q_lens = np.fromiter((r.num_new_tokens for r in reqs), dtype=np.int64, count=len(reqs))
         starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs))
         seq_lens = starts + q_lens
         query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         input_ids = np.fromiter(
-            (t for (r, n), s in zip(out.scheduled, starts) for t in r.all_token_ids[s : s + n]),
+            (t for r, s in zip(reqs, starts) for t in r.all_token_ids[s : s + r.num_new_tokens]),
             dtype=np.int64,
             count=num_tokens,
         )
@@ -252,28 +253,26 @@ class ModelRunner:
         )
 
     @paddle.no_grad()
-    def execute_model(self, out: SchedulerOutput) -> list[int | None]:
-        """Run one step; returns the sampled token of each scheduled request (None mid-prompt).
-
-        Logprobs go to ``request.pending_logprobs``; prompt logprobs to ``request.prompt_logprobs``.
-        """
-        if out.is_empty:
-            return []
+    def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step: the sampled token of each row (None mid-prompt), the logprobs of
+        the rows whose request asked, and the prompt logprobs computed this step."""
+        reqs = out.requests
+        if not reqs:
+            return RunnerOutput([], [], [])
         # The ops table is process-wide; another engine in this process may have installed its
         # own since (e.g. an int8-KV one), and this model's weights and caches are laid out for ours.
         set_current_ops(self.ops)
         graphs = self.graphs
         hidden = None
-        if graphs is not None and graphs.accepts(len(out.scheduled), all(n == 1 for _, n in out.scheduled)):
+        if graphs is not None and graphs.accepts(len(reqs), all(r.num_new_tokens == 1 for r in reqs)):
             meta = self.prepare_inputs(out, host_only=True)
             hidden = graphs.run(meta)
         if hidden is None:
             meta = self.prepare_inputs(out)
             hidden = self.model.forward(meta, self.kv_caches)
-        self._prompt_logprobs(out, meta, hidden)
+        result = RunnerOutput([None] * len(reqs), [None] * len(reqs), self._prompt_logprobs(out, meta, hidden))
 
-        sample_rows = [i for i in range(len(out.scheduled)) if out.samples(i)]
-        result: list[int | None] = [None] * len(out.scheduled)
+        sample_rows = [i for i, r in enumerate(reqs) if r.samples]
         if not sample_rows:
             return result
         rows = meta.query_start_loc[1:][sample_rows] - 1
@@ -281,38 +280,41 @@ class ModelRunner:
             last_hidden = hidden
         else:
             last_hidden = paddle.index_select(hidden, paddle.to_tensor(rows), axis=0)
-        reqs = [out.scheduled[i][0] for i in sample_rows]
+        sampling = [reqs[i] for i in sample_rows]
         greedy_tokens = getattr(self.model, "compute_greedy_tokens", None)
-        if greedy_tokens is not None and self.sampler.all_plain_greedy(reqs):
+        if greedy_tokens is not None and self.sampler.all_plain_greedy(sampling):
             # Only each row's argmax is needed: the device's greedy head may skip most logits.
             sampled = self.sampler.greedy_output(greedy_tokens(last_hidden))
         else:
-            sampled = self.sampler(self.model.compute_logits(last_hidden), reqs)
-        for i, req, token, lp in zip(sample_rows, reqs, sampled.token_ids, sampled.logprobs):
-            result[i] = token
-            if lp is not None:
-                req.pending_logprobs.append(lp)
+            sampled = self.sampler(self.model.compute_logits(last_hidden), sampling)
+        for i, token, lp in zip(sample_rows, sampled.token_ids, sampled.logprobs):
+            result.sampled_token_ids[i] = token
+            result.logprobs[i] = lp
         return result
 
-    def _prompt_logprobs(self, out: SchedulerOutput, meta: ForwardMeta, hidden) -> None:
-        for i, (req, n) in enumerate(out.scheduled):
+    def _prompt_logprobs(self, out: SchedulerOutput, meta: ForwardMeta, hidden) -> list[list[dict] | None]:
+        """Per row: the prompt logprobs of the positions computed this step that the engine does
+        not hold yet (``[]`` when none), or None when the request asked for none."""
+        result: list[list[dict] | None] = [None] * len(out.requests)
+        for i, req in enumerate(out.requests):
             num = req.sampling_params.prompt_logprobs
-            if num is None or req.prompt_logprobs_sent:
+            if num is None:
                 continue
-            if req.prompt_logprobs is None:
-                req.prompt_logprobs = [None]
+            entries: list[dict] = []
+            result[i] = entries
             start = req.num_computed_tokens
             # row for position p predicts prompt token p + 1
-            first = max(start, len(req.prompt_logprobs) - 1)
-            last = min(start + n, req.num_prompt_tokens - 1)
+            first = max(start, req.prompt_logprobs_from)
+            last = min(start + req.num_new_tokens, req.num_prompt_tokens - 1)
             if first >= last:
                 continue
             rows = meta.query_start_loc[i] + np.arange(first - start, last - start)
             logits = self.model.compute_logits(paddle.index_select(hidden, paddle.to_tensor(rows), axis=0))
             lps = log_softmax(logits.numpy())
             for k, pos in enumerate(range(first, last)):
-                target = req.prompt_token_ids[pos + 1]
-                req.prompt_logprobs.append(top_logprobs(lps[k], target, num))
+                target = req.all_token_ids[pos + 1]
+                entries.append(top_logprobs(lps[k], target, num))
+        return result
 
     def describe(self) -> dict:
         """Resolved settings, for ``EngineCore.config_info``."""

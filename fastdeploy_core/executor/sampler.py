@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastdeploy_core.engine.request import Request
+from fastdeploy_core.executor.step_io import ScheduledRequest
 
 
 @dataclass
@@ -48,7 +48,7 @@ def top_logprobs(row_logprobs: np.ndarray, chosen: int, num: int) -> dict[int, f
     return out
 
 
-def _needs_host(req: Request) -> bool:
+def _needs_host(req: ScheduledRequest) -> bool:
     sp = req.sampling_params
     return (
         not sp.is_greedy
@@ -62,10 +62,10 @@ def _needs_host(req: Request) -> bool:
 
 
 class Sampler:
-    """Samples one token per row of ``logits [B, V]`` for the requests ``reqs``."""
+    """Samples one token per row of ``logits [B, V]`` for the scheduled rows ``reqs``."""
 
     @staticmethod
-    def all_plain_greedy(reqs: list[Request]) -> bool:
+    def all_plain_greedy(reqs: list[ScheduledRequest]) -> bool:
         """Whether every row is a plain argmax (greedy, no logprobs, penalties, bad words or
         min_tokens mask): then only each row's argmax of the logits matters, and a model may
         give the tokens without them (``compute_greedy_tokens``)."""
@@ -76,7 +76,7 @@ class Sampler:
         """The output of a plain greedy step whose tokens the model computed."""
         return SamplerOutput([int(t) for t in token_ids], [None] * len(token_ids))
 
-    def __call__(self, logits, reqs: list[Request]) -> SamplerOutput:
+    def __call__(self, logits, reqs: list[ScheduledRequest]) -> SamplerOutput:
         if self.all_plain_greedy(reqs):
             if isinstance(logits, np.ndarray):
                 ids = logits.argmax(axis=-1).reshape(-1)
@@ -98,7 +98,7 @@ class Sampler:
         return SamplerOutput(tokens, logprobs)
 
     @staticmethod
-    def apply_penalties_and_masks(row: np.ndarray, req: Request) -> np.ndarray:
+    def apply_penalties_and_masks(row: np.ndarray, req: ScheduledRequest) -> np.ndarray:
         """Penalties, bad words and the min_tokens mask on a float32 copy of ``row``."""
         sp = req.sampling_params
         x = np.array(row, dtype=np.float32, copy=True)
@@ -127,7 +127,7 @@ class Sampler:
                     x[tok] = -np.inf
         return x
 
-    def sample_row(self, row: np.ndarray, req: Request) -> int:
+    def sample_row(self, row: np.ndarray, req: ScheduledRequest) -> int:
         sp = req.sampling_params
         x = self.apply_penalties_and_masks(row, req)
         if sp.is_greedy:

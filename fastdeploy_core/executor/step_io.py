@@ -1,0 +1,116 @@
+"""What one step asks of the model runner, and what the runner gives back: the only data that
+crosses between the engine and the executor.
+
+The engine's scheduler decides (which requests run, with how many tokens, in which KV blocks);
+it turns that decision into a :class:`SchedulerOutput` of plain rows. The runner executes it and
+returns a :class:`RunnerOutput` (sampled tokens, logprobs, prompt logprobs, row by row); the
+engine applies that to its own request state. The runner never sees the engine's ``Request``
+objects and never writes into engine state.
+
+Why this module lives in ``executor/``: it is the runner's interface, like the signature of
+``ModelRunner.execute_model``, so it belongs to the callee. The engine (the higher layer) already
+imports the executor to build its runner; with the contract here every import points one way,
+engine -> executor, and the executor imports nothing from the engine. It imports only the
+standard library, so the pure-Python scheduler can import it without loading paddle.
+
+Rows share the engine's token and block lists instead of copying them: copying every sequence's
+tokens each step would cost time in proportion to the whole context, where the runner reads one
+token per decoding sequence. The runner reads them during ``execute_model`` only, never writes
+them and keeps no reference after it returns. The one mutable thing a row carries is the
+request's random stream (``generator``): sampling draws one number from it per sampled token, so
+a seeded request gets the same tokens whatever batch it runs in.
+
+The runner keeps no per-request state between steps, so a step carries no preempted or finished
+request ids: a preempted request is simply scheduled again from ``num_computed_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+class SamplingSpec(Protocol):
+    """The sampling settings a row's sampler reads (the engine's ``SamplingParams`` has them)."""
+
+    logprobs: int | None
+    prompt_logprobs: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    bad_words_token_ids: list[list[int]] | None
+    min_tokens: int
+
+    @property
+    def is_greedy(self) -> bool: ...
+
+    def resolved(self, name: str) -> Any:
+        """``temperature``, ``top_p``, ``top_k``, ``min_p`` or ``repetition_penalty`` with
+        defaults applied."""
+        ...
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One row of a step: a request and the tokens of it the runner computes this step."""
+
+    request_id: str
+    #: Prompt then generated tokens so far (the engine's list, read-only for the runner).
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    #: Tokens whose K/V are in the cache already: this step computes positions
+    #: ``num_computed_tokens .. num_computed_tokens + num_new_tokens - 1``.
+    num_computed_tokens: int
+    num_new_tokens: int
+    #: KV block ids of the sequence, in position order (the engine's list, read-only).
+    block_table: list[int]
+    sampling_params: SamplingSpec
+    #: Tokens masked before ``min_tokens`` (eos and stop token ids).
+    eos_token_ids: tuple[int, ...]
+    generator: np.random.Generator | None
+    #: Whether the row reaches the sequence's last token this step, so a token is sampled.
+    samples: bool
+    #: First prompt position whose prompt logprobs the engine does not hold yet (the row for
+    #: position ``p`` predicts prompt token ``p + 1``); after a preemption the prompt is computed
+    #: again but its logprobs are not returned twice.
+    prompt_logprobs_from: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens (a copy; penalties and bad words read them)."""
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the scheduler decided for one step, in batch order."""
+
+    requests: list[ScheduledRequest] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.requests)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What the runner produced for one step; index ``i`` is ``SchedulerOutput.requests[i]``."""
+
+    #: The sampled token, or None for a row that does not sample (a prompt chunk before the last).
+    sampled_token_ids: list[int | None]
+    #: ``{sampled token: lp, top tokens by rank: lp}`` for sampled rows whose request asked.
+    logprobs: list[dict[int, float] | None]
+    #: For rows whose request asked for prompt logprobs: the entries for the prompt positions
+    #: computed this step from ``prompt_logprobs_from`` on, in position order (possibly empty);
+    #: None for the other rows.
+    prompt_logprobs: list[list[dict[int, float]] | None]
