@@ -11,6 +11,9 @@ The module named there declares ``FD_PLUGIN_API_VERSION = 1`` (see
 mutates core registries. The core's own built-ins (the cpu device, ...) register through the
 same hooks (:mod:`fastdeploy_core.builtin`).
 
+A model plugin also declares the GGUF architectures it reads (``register_models`` with
+``gguf=GGUFArchitecture(...)``): the core's GGUF loader holds no model knowledge of its own.
+
 Registering a name that another plugin already registered is an error naming both
 distributions. A hook implementation may accept fewer arguments than the spec, so the
 contract can grow without breaking plugins.

@@ -95,7 +95,12 @@ def gguf_metadata(reader) -> dict:
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
             continue
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if key in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.scores",
+        ):
             continue
         try:
             meta[key] = field.contents()

@@ -17,7 +17,7 @@ from fastdeploy_core.hookspecs import GGUFArchitecture, hookimpl
 from fastdeploy_core.loader import GGUFBlocks, iterate_gguf, load_model_weights, resolve_model_source
 from fastdeploy_core.loader.gguf_loader import linear_tensor_types
 
-DIMS = dict(hidden=64, ffn=96, layers=2, heads=4, kv_heads=2, vocab=40)
+DIMS = {"hidden": 64, "ffn": 96, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 40}
 
 #: the made-up architecture's own tensor names, as its converter would write them
 TOY_TENSOR_NAMES = {
@@ -57,7 +57,9 @@ def toy_row_order(hf_name: str, rows: int, hf_config: dict):
     return np.arange(rows)[::-1].copy() if hf_name.endswith("q_proj.weight") else None
 
 
-TOY_GGUF = GGUFArchitecture(name="toyformer", tensor_names=TOY_TENSOR_NAMES, hf_config=toy_hf_config, row_order=toy_row_order)
+TOY_GGUF = GGUFArchitecture(
+    name="toyformer", tensor_names=TOY_TENSOR_NAMES, hf_config=toy_hf_config, row_order=toy_row_order
+)
 
 
 class ToyPlugin:
@@ -96,7 +98,11 @@ def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
     """Random HF-named float32 weights of a tiny Llama of :data:`DIMS`."""
     rng = np.random.default_rng(seed)
     h, f, head_dim = DIMS["hidden"], DIMS["ffn"], DIMS["hidden"] // DIMS["heads"]
-    shapes = {"model.embed_tokens.weight": (DIMS["vocab"], h), "model.norm.weight": (h,), "lm_head.weight": (DIMS["vocab"], h)}
+    shapes = {
+        "model.embed_tokens.weight": (DIMS["vocab"], h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (DIMS["vocab"], h),
+    }
     for i in range(DIMS["layers"]):
         p = f"model.layers.{i}."
         shapes.update({
@@ -117,7 +123,13 @@ def write_toy_gguf(path, weights, arch="toyformer", qtype=gguf.GGMLQuantizationT
         for i in range(DIMS["layers"]) if "{bid}" in toy else [None]:
             to_toy[hf.format(bid=i) + ".weight"] = toy.format(bid=i) + ".weight"
     writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in (("width", "hidden"), ("ffn_width", "ffn"), ("depth", "layers"), ("heads", "heads"), ("kv_heads", "kv_heads")):
+    for key, value in (
+        ("width", "hidden"),
+        ("ffn_width", "ffn"),
+        ("depth", "layers"),
+        ("heads", "heads"),
+        ("kv_heads", "kv_heads"),
+    ):
         writer.add_uint32(f"{arch}.{key}", DIMS[value])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
@@ -197,7 +209,9 @@ def test_unregistered_gguf_architecture_lists_the_registered_ones_and_what_to_in
     assert "install a model plugin that registers this GGUF architecture" in message
     # a known architecture whose plugin is missing names that plugin
     write_toy_gguf(tmp_path / "llama.gguf", hf_weights(), arch="llama")
-    with pytest.raises(UnsupportedArchitectureError, match="'llama'.*toyformer \\(fd-toyplugin\\); install the model plugin `fd-llama`"):
+    with pytest.raises(
+        UnsupportedArchitectureError, match="'llama'.*toyformer \\(fd-toyplugin\\); install the model plugin `fd-llama`"
+    ):
         resolve_model_source(str(tmp_path / "llama.gguf"))
 
 

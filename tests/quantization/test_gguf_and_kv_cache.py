@@ -11,12 +11,12 @@ import numpy as np
 import paddle
 import pytest
 
+from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.executor.forward_meta import ForwardMeta
 from fastdeploy_core.layers.linear import Linear, QKVLinear
-from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.loader.gguf_blocks import GGUFBlocks
 from fastdeploy_core.quantization.gguf import q4_to_int4, q8_0_to_int8
 from fastdeploy_core.quantization.kv_cache import (

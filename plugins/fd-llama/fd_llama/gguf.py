@@ -88,7 +88,9 @@ def hf_config(gguf_file) -> dict:
             "num_attention_heads": heads,
         }
     except (TypeError, ValueError):
-        raise ModelLoadError(f"{path} lacks the llama.* hyper-parameters (embedding_length, block_count, ...)") from None
+        raise ModelLoadError(
+            f"{path} lacks the llama.* hyper-parameters (embedding_length, block_count, ...)"
+        ) from None
     tensor_names = gguf_file.tensor_names
     vocab = get("vocab_size")
     if vocab is None:
