@@ -11,12 +11,19 @@ The module named there declares ``FD_PLUGIN_API_VERSION = 1`` (see
 mutates core registries. The core's own built-ins (the cpu device, ...) register through the
 same hooks (:mod:`fastdeploy_core.builtin`).
 
+A model plugin also declares the GGUF architectures it reads (``register_models`` with
+``gguf=GGUFArchitecture(...)``): the core's GGUF loader holds no model knowledge of its own.
+
 Registering a name that another plugin already registered is an error naming both
 distributions. A hook implementation may accept fewer arguments than the spec, so the
 contract can grow without breaking plugins.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import pluggy
 
@@ -35,6 +42,36 @@ def register_devices(register):
     """
 
 
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How a GGUF file of one ``general.architecture`` becomes an HF-style checkpoint.
+
+    Passed as ``register(architecture, target, gguf=GGUFArchitecture(...))`` so the GGUF
+    loader stays free of model knowledge: it reads files and blocks, the model plugin says
+    what the names and numbers mean. Each of the three parts is the object itself or a
+    ``"module:attr"`` string imported only when a GGUF file of this architecture is opened
+    (registration then imports nothing heavy).
+
+    * ``name``: the GGUF ``general.architecture`` value (``"llama"``).
+    * ``tensor_names``: GGUF tensor name without its ``.weight``/``.bias`` suffix -> HF name
+      without it; ``{bid}`` stands for the layer number (``"blk.{bid}.attn_q"`` ->
+      ``"model.layers.{bid}.self_attn.q_proj"``); ``None`` skips a tensor. Unlisted tensors
+      pass through under their GGUF name, so the model reports them.
+    * ``hf_config(gguf_file) -> dict``: the HF ``config.json`` keys from a
+      :class:`fastdeploy_core.loader.gguf_loader.GGUFFile` (metadata, tensor shapes, small
+      tensors). The loader adds ``architectures`` and the tokenizer's special token ids.
+    * ``row_order(hf_name, rows, hf_config) -> index array | None``: the order in which to take
+      a tensor's rows (axis 0, HF ``[out, in]`` orientation), e.g. undoing llama.cpp's
+      interleaved-RoPE row permutation of the query/key projections. A reordering of whole
+      rows applies to dequantized arrays and to raw quantized blocks alike.
+    """
+
+    name: str
+    tensor_names: Mapping[str, str | None] | str
+    hf_config: Callable[[Any], dict] | str
+    row_order: Callable[[str, int, dict], Any] | str | None = None
+
+
 @hookspec
 def register_models(register):
     """Register model implementations for checkpoint architectures.
@@ -44,6 +81,11 @@ def register_models(register):
     config, like the PaddleFormers fallback), ``target`` is ``"module:Class"`` (imported only
     when that model is loaded) or the class itself, and ``impl`` is ``"fastdeploy"`` (native)
     or ``"paddleformers"`` (fallback).
+
+    A plugin whose architecture is also published as GGUF files adds
+    ``gguf=GGUFArchitecture(...)`` (see :class:`GGUFArchitecture`): GGUF files whose
+    ``general.architecture`` is that name then load as ``architecture``. Each GGUF name is
+    registered once; the core's GGUF loader knows no architecture of its own.
     """
 
 

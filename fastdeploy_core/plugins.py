@@ -44,6 +44,9 @@ KNOWN_DEVICE_PACKAGES = {
     "intel_hpu": "fd-gaudi",
 }
 
+#: GGUF ``general.architecture`` -> the model plugin that registers it, for "install X" messages.
+KNOWN_GGUF_PACKAGES = {"llama": "fd-llama"}
+
 HOOK_NAMES = ("register_devices", "register_models", "register_quantizers", "register_schedulers")
 
 T = TypeVar("T")
@@ -58,6 +61,8 @@ class PluginInfo:
     version: str
     module: str
     registered: dict[str, list[str]] = field(default_factory=lambda: {h: [] for h in HOOK_NAMES})
+    #: ``"gguf_name -> HFArchitecture"`` for each GGUF architecture given to ``register_models``
+    gguf_architectures: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -130,6 +135,8 @@ class PluginManager:
         self.failed: list[FailedPlugin] = []
         self.devices: Registry[type] = Registry("device")
         self.models: Registry[Any] = Registry("model architecture")
+        #: GGUF ``general.architecture`` -> (HF architecture, its GGUFArchitecture)
+        self.gguf_architectures: Registry[tuple[str, hookspecs.GGUFArchitecture]] = Registry("GGUF architecture")
         self.quantizers: Registry[type] = Registry("quantization method")
         self.schedulers: Registry[type] = Registry("scheduler")
         self._info_by_name: dict[str, PluginInfo] = {}
@@ -177,11 +184,25 @@ class PluginManager:
 
         elif hook_name == "register_models":
 
-            def register(architecture: str, target: Any, impl: str = "fastdeploy") -> None:
+            def register(
+                architecture: str, target: Any, impl: str = "fastdeploy", gguf: hookspecs.GGUFArchitecture | None = None
+            ) -> None:
                 if impl not in ("fastdeploy", "paddleformers"):
                     raise PluginError(f"plugin {info.name!r}: impl must be 'fastdeploy' or 'paddleformers', got {impl!r}")
+                if gguf is not None and not isinstance(gguf, hookspecs.GGUFArchitecture):
+                    raise PluginError(
+                        f"plugin {info.name!r}: gguf= takes a fastdeploy_core.hookspecs.GGUFArchitecture, "
+                        f"got {type(gguf).__name__}"
+                    )
+                if gguf is not None and architecture == "*":
+                    raise PluginError(
+                        f"plugin {info.name!r}: a GGUF architecture needs the HF architecture it loads as, not '*'"
+                    )
                 self.models.add((architecture, impl), target, info)
                 info.registered[hook_name].append(f"{architecture} ({impl})")
+                if gguf is not None:
+                    self.gguf_architectures.add(gguf.name, (architecture, gguf), info)
+                    info.gguf_architectures.append(f"{gguf.name} -> {architecture}")
 
         else:
             registry = self.quantizers if hook_name == "register_quantizers" else self.schedulers
@@ -232,6 +253,36 @@ class PluginManager:
         if not avail.available:
             raise DeviceUnavailableError(f"device {name!r} is installed but not usable here: {avail.reason}")
         return device_cls
+
+    def gguf_architecture(self, name: str, path: str) -> tuple[str, hookspecs.GGUFArchitecture]:
+        """``(hf_architecture, GGUFArchitecture)`` registered for GGUF ``general.architecture`` ``name``.
+
+        UnsupportedArchitectureError (a ModelLoadError) when no plugin registered it, listing the
+        registered ones and naming the plugin to install.
+        """
+        found = self.gguf_architectures.get(name)
+        if found is not None:
+            return found
+        listing = ", ".join(
+            f"{key} ({self.gguf_architectures.entry(key).distribution})"  # type: ignore[union-attr]
+            for key in sorted(self.gguf_architectures.keys())
+        )
+        package = KNOWN_GGUF_PACKAGES.get(name)
+        failed = self.failure_for_distribution(package) if package else None
+        if failed is not None:
+            hint = f"it is registered by {package}, which is installed but failed to load: {failed.error}"
+        elif package:
+            hint = f"install the model plugin `{package}` (or allow it in {ALLOW_LIST_ENV}), which registers it"
+        else:
+            hint = (
+                "no known plugin registers it: install a model plugin that registers this GGUF architecture "
+                "(register_models with gguf=..., see docs/writing-a-plugin.md) or convert the model to an HF "
+                "safetensors directory"
+            )
+        raise UnsupportedArchitectureError(
+            f"GGUF architecture {name!r} of {path} is not supported; supported GGUF architectures: "
+            f"{listing or 'none registered'}; {hint}"
+        )
 
     def native_architectures(self) -> list[str]:
         return sorted(a for a, impl in self.models.keys() if impl == "fastdeploy" and a != "*")
@@ -308,6 +359,7 @@ class PluginManager:
                 "module": p.module,
                 "status": "loaded",
                 "registered": {h.removeprefix("register_"): list(v) for h, v in p.registered.items()},
+                "gguf_architectures": list(p.gguf_architectures),
             }
             for p in self.plugins
         ]

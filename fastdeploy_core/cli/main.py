@@ -58,6 +58,8 @@ def plugins_command(
         for hook, names in row["registered"].items():
             if names:
                 typer.echo(f"    {hook}: {', '.join(names)}")
+        if row["gguf_architectures"]:
+            typer.echo(f"    gguf architectures: {', '.join(row['gguf_architectures'])}")
 
 
 def _model_serving(manager, model: str, model_impl: str) -> dict:

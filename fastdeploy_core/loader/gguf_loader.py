@@ -1,8 +1,10 @@
 """Read GGUF files: metadata -> an HF-style config, tensors -> HF-named float32 arrays.
 
-Only Llama-architecture GGUFs are mapped so far. llama.cpp stores ``attn_q``/``attn_k`` rows
-permuted for its interleaved RoPE; they are un-permuted here so the HF rotate_half
-convention of the model layers applies unchanged.
+The loader knows the file format, not the models: which GGUF ``general.architecture`` loads as
+which HF architecture, how tensors are named and what the metadata means come from the model
+plugin that registered that architecture (``register_models`` with
+``gguf=GGUFArchitecture(...)``, see :class:`fastdeploy_core.hookspecs.GGUFArchitecture`).
+A file of an architecture nobody registered fails with the list of registered ones.
 """
 
 from __future__ import annotations
@@ -11,36 +13,17 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from fastdeploy_core.errors import ModelLoadError, UnsupportedArchitectureError
-
-#: GGUF ``general.architecture`` -> HF architecture class name
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
-
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-#: tensors consumed through the config (rope_freqs) or carrying nothing we use
-_SKIPPED_TENSORS = {"rope_freqs.weight"}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+from fastdeploy_core.errors import ModelLoadError
+from fastdeploy_core.loader.gguf_blocks import GGUFBlocks, dequantize_tensor
 
 _readers: dict[tuple, object] = {}
+_readers_lock = threading.Lock()
 
 
 def _fast_reader_class():
@@ -64,7 +47,6 @@ def _fast_reader_class():
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     return FastGGUFReader
-_readers_lock = threading.Lock()
 
 
 def open_gguf(path: str):
@@ -113,7 +95,12 @@ def gguf_metadata(reader) -> dict:
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
             continue
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if key in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.scores",
+        ):
             continue
         try:
             meta[key] = field.contents()
@@ -122,85 +109,152 @@ def gguf_metadata(reader) -> dict:
     return meta
 
 
-def gguf_architecture(meta: dict, path: str) -> tuple[str, str]:
-    """``(gguf_arch, hf_architecture)``; UnsupportedArchitectureError for unmapped archs."""
-    arch = meta.get("general.architecture")
+class GGUFFile:
+    """What a model plugin's ``hf_config`` translation reads from one GGUF file.
+
+    ``metadata`` holds every scalar and string key (the tokenizer's big arrays left out);
+    :meth:`get` reads the keys under the file's architecture prefix (``<architecture>.block_count``);
+    shapes and tensors are in HF orientation (``[out, in]``).
+    """
+
+    def __init__(self, path: str, reader, metadata: dict):
+        self.path = path
+        self.metadata = metadata
+        self.architecture = str(metadata.get("general.architecture", ""))
+        self._reader = reader
+        self._tensors = {t.name: t for t in reader.tensors}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``metadata["<architecture>.<key>"]`` or ``default``."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        """The GGUF names of all tensors in the file."""
+        return frozenset(self._tensors)
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor ``name`` in HF orientation (GGUF lists dimensions innermost first)."""
+        return tuple(int(d) for d in reversed(self._tensor(name).shape))
+
+    def read_tensor(self, name: str) -> np.ndarray:
+        """Tensor ``name`` dequantized to float32 in HF orientation (for small tensors like ``rope_freqs``)."""
+        return dequantize_tensor(self.path, self._tensor(name)).reshape(self.tensor_shape(name))
+
+    @property
+    def token_count(self) -> int | None:
+        """Entries of ``tokenizer.ggml.tokens`` (the vocabulary), ``None`` without a vocabulary."""
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        return len(tokens.data) if tokens is not None else None
+
+    def _tensor(self, name: str):
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise ModelLoadError(f"{self.path} has no tensor {name!r}") from None
+
+
+class _TensorNames:
+    """A plugin's GGUF -> HF tensor-name map, ``{bid}`` templates compiled to patterns."""
+
+    def __init__(self, mapping: Mapping[str, str | None]):
+        self.exact = {k: v for k, v in mapping.items() if "{bid}" not in k}
+        self.per_layer = [
+            (re.compile("^" + re.escape(k).replace(re.escape("{bid}"), r"(?P<bid>\d+)") + "$"), v)
+            for k, v in mapping.items()
+            if "{bid}" in k
+        ]
+
+    @staticmethod
+    def _split(gguf_name: str) -> tuple[str, str]:
+        base, _, kind = gguf_name.rpartition(".")
+        return (base, f".{kind}") if kind in ("weight", "bias") else (gguf_name, "")
+
+    def hf_name(self, gguf_name: str) -> str | None:
+        """The HF name, ``None`` for skipped tensors; unknown names pass through for the model to report."""
+        base, suffix = self._split(gguf_name)
+        if base in self.exact:
+            hf = self.exact[base]
+            return None if hf is None else hf + suffix
+        for pattern, template in self.per_layer:
+            match = pattern.match(base)
+            if match:
+                return None if template is None else template.format(bid=match["bid"]) + suffix
+        return gguf_name
+
+    def is_layer_weight(self, gguf_name: str) -> bool:
+        """Whether ``gguf_name`` is a mapped per-layer (``{bid}``) weight."""
+        base, suffix = self._split(gguf_name)
+        return suffix == ".weight" and any(p.match(base) and t is not None for p, t in self.per_layer)
+
+
+@dataclass
+class _Architecture:
+    """A registered GGUF architecture with its ``"module:attr"`` parts imported."""
+
+    name: str
+    hf_architecture: str
+    distribution: str
+    tensor_names: _TensorNames
+    hf_config: Callable[[GGUFFile], dict]
+    row_order: Callable[[str, int, dict], Any] | None
+
+
+def _architecture_name(reader, path: str) -> str:
+    field = reader.fields.get("general.architecture")
+    try:
+        arch = field.contents() if field is not None else None
+    except Exception:  # a malformed field reads as missing
+        arch = None
     if not arch:
         raise ModelLoadError(f"{path} has no general.architecture metadata; is it a model GGUF?")
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"GGUF architecture {arch!r} of {path} is not supported; supported GGUF architectures: "
-            f"{', '.join(sorted(GGUF_ARCHITECTURES))}. Convert the model to an HF safetensors directory "
-            "to use another model plugin"
-        )
-    return arch, GGUF_ARCHITECTURES[arch]
+    return str(arch)
 
 
-def _llama3_scaling_from_freqs(freq_factors: np.ndarray, head_dim: int, theta: float) -> dict | None:
-    """Recover Llama-3 rope scaling parameters from llama.cpp's ``rope_freqs`` tensor."""
-    from fastdeploy_core.layers.rotary import compute_inv_freq
+def gguf_architecture(reader, path: str, plugin_manager=None) -> _Architecture:
+    """The registered architecture of the GGUF file ``path``; UnsupportedArchitectureError if none."""
+    from fastdeploy_core.plugins import get_plugin_manager, import_target
 
-    factor = float(np.max(freq_factors))
-    base = compute_inv_freq(head_dim, theta, None)
-    for original in (8192, 4096, 16384, 32768):
-        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
-            scaling = {
-                "rope_type": "llama3",
-                "factor": factor,
-                "low_freq_factor": low,
-                "high_freq_factor": high,
-                "original_max_position_embeddings": original,
-            }
-            implied = base / compute_inv_freq(head_dim, theta, scaling)
-            if np.allclose(implied, freq_factors, rtol=1e-3, atol=1e-3):
-                return scaling
-    return None
+    manager = plugin_manager or get_plugin_manager()
+    name = _architecture_name(reader, path)
+    hf_architecture, spec = manager.gguf_architecture(name, path)
+    distribution = manager.gguf_architectures.entry(name).distribution
+
+    def part(value):
+        try:
+            return import_target(value)
+        except Exception as exc:  # the plugin's module is broken: say whose
+            raise ModelLoadError(
+                f"GGUF architecture {name!r} is registered by {distribution}, whose {value!r} cannot be imported "
+                f"({type(exc).__name__}: {exc}); reinstall {distribution}"
+            ) from None
+
+    return _Architecture(
+        name,
+        hf_architecture,
+        distribution,
+        _TensorNames(part(spec.tensor_names)),
+        part(spec.hf_config),
+        part(spec.row_order) if spec.row_order is not None else None,
+    )
 
 
-def gguf_to_hf_config(path: str) -> dict:
-    """An HF-style config dict built from the GGUF metadata of ``path``."""
+def gguf_to_hf_config(path: str, plugin_manager=None) -> dict:
+    """An HF-style config dict built from the GGUF metadata of ``path`` by its architecture's plugin."""
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
-    arch, hf_arch = gguf_architecture(meta, path)
-
-    def get(key, default=None):
-        return meta.get(f"{arch}.{key}", default)
-
+    arch = gguf_architecture(reader, path, plugin_manager)
     try:
-        hidden = int(get("embedding_length"))
-        heads = int(get("attention.head_count"))
-        config = {
-            "architectures": [hf_arch],
-            "model_type": arch,
-            "hidden_size": hidden,
-            "intermediate_size": int(get("feed_forward_length")),
-            "num_hidden_layers": int(get("block_count")),
-            "num_attention_heads": heads,
-        }
-    except (TypeError, ValueError):
-        raise ModelLoadError(f"{path} lacks the {arch}.* hyper-parameters (embedding_length, block_count, ...)") from None
-    tensor_names = {t.name for t in reader.tensors}
-    vocab = get("vocab_size")
-    if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else None
-    if vocab is None:
-        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        vocab = int(embd.shape[-1])
-    head_dim = int(get("attention.key_length") or hidden // heads)
-    config.update(
-        num_key_value_heads=int(get("attention.head_count_kv") or heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length", 2048)),
-        vocab_size=int(vocab),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        torch_dtype="float32",
-    )
+        translated = arch.hf_config(GGUFFile(path, reader, meta))
+    except ModelLoadError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(
+            f"{path}: its {arch.name} metadata does not make a config ({type(exc).__name__}: {exc}); "
+            f"is the file complete? (translation by {arch.distribution})"
+        ) from None
+    config = {"architectures": [arch.hf_architecture], **translated}
+    config.setdefault("torch_dtype", "float32")  # every tensor is dequantized to float32 or kept as blocks
     for key, hf_key in (
         ("tokenizer.ggml.bos_token_id", "bos_token_id"),
         ("tokenizer.ggml.eos_token_id", "eos_token_id"),
@@ -208,90 +262,47 @@ def gguf_to_hf_config(path: str) -> dict:
     ):
         if key in meta:
             config[hf_key] = int(meta[key])
-    scaling_type = get("rope.scaling.type")
-    if scaling_type == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
-    elif scaling_type not in (None, "none"):
-        raise ModelLoadError(f"{path}: rope scaling type {scaling_type!r} is not supported (linear and llama3 are)")
-    if "rope_freqs.weight" in tensor_names:
-        freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        factors = _dequantize(path, freqs).reshape(-1)
-        scaling = _llama3_scaling_from_freqs(factors, head_dim, config["rope_theta"])
-        if scaling is None:
-            raise ModelLoadError(f"{path}: its rope_freqs tensor matches no known Llama-3 rope scaling")
-        config["rope_scaling"] = scaling
     return config
 
 
-def _dequantize(path: str, tensor) -> np.ndarray:
-    from gguf import quants
+def linear_tensor_types(path: str, plugin_manager=None) -> set[str]:
+    """GGUF types (``"Q4_1"``, ``"F32"``...) of the linear-layer weights of the GGUF file ``path``.
 
-    try:
-        array = quants.dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError:
-        raise ModelLoadError(
-            f"{path}: tensor {tensor.name} uses quantization {tensor.tensor_type.name}, which cannot be dequantized here"
-        ) from None
-    except Exception as exc:
-        raise ModelLoadError(f"{path}: tensor {tensor.name} is corrupt ({type(exc).__name__}: {exc})") from None
-    return np.asarray(array, dtype=np.float32)
-
-
-def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's interleaved-RoPE row order of attn_q / attn_k ``[out, in]``."""
-    rows = weight.shape[0]
-    head_dim = rows // num_heads
-    return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor, ``None`` for tensors that are skipped."""
-    if gguf_name in _SKIPPED_TENSORS:
-        return None
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
-    match = _LAYER_RE.match(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
-    return gguf_name  # unknown: passed through so the model reports it by name
+    Linear weights are the 2-D per-layer weights of the architecture's tensor map (norms are
+    1-D, embeddings are not per layer); a quantizer picks its storage layout from these types.
+    """
+    reader = open_gguf(path)
+    names = gguf_architecture(reader, path, plugin_manager).tensor_names
+    return {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2 and names.is_layer_weight(t.name)}
 
 
 def iterate_gguf(
     path: str,
     hf_config: dict | None = None,
     keep_blocks: Callable[[str, str], bool] | None = None,
+    plugin_manager=None,
 ) -> Iterator[tuple[str, object]]:
-    """``(hf_name, float32 array [out, in])`` for every tensor of a Llama GGUF file.
+    """``(hf_name, float32 array [out, in])`` for every tensor of a GGUF file.
 
     ``keep_blocks(hf_name, type_name)`` (from the active quantizer's ``gguf_block_filter``)
-    selects tensors handed over as raw :class:`~fastdeploy_core.quantization.gguf.GGUFBlocks`
-    instead of being dequantized; Q/K rows are un-permuted either way.
+    selects tensors handed over as raw :class:`~fastdeploy_core.loader.gguf_blocks.GGUFBlocks`
+    instead of being dequantized; the plugin's ``row_order`` applies either way.
     """
     reader = open_gguf(path)
-    config = hf_config or gguf_to_hf_config(path)
-    num_heads = int(config["num_attention_heads"])
-    num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
+    arch = gguf_architecture(reader, path, plugin_manager)
+    config = hf_config or gguf_to_hf_config(path, plugin_manager)
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = arch.tensor_names.hf_name(tensor.name)
         if name is None:
             continue
         expected = tuple(int(d) for d in reversed(tensor.shape))
-        heads = None
-        if name.endswith("self_attn.q_proj.weight"):
-            heads = num_heads
-        elif name.endswith("self_attn.k_proj.weight"):
-            heads = num_kv_heads
+        order = arch.row_order(name, expected[0], config) if arch.row_order is not None else None
         if keep_blocks is not None and len(expected) == 2 and keep_blocks(name, tensor.tensor_type.name):
-            from fastdeploy_core.quantization.gguf import GGUFBlocks
-
             blocks = GGUFBlocks(tensor.tensor_type.name, np.asarray(tensor.data), expected)
-            yield name, (blocks.unpermute_heads(heads) if heads else blocks)
+            yield name, (blocks if order is None else blocks.permute_rows(order))
             continue
-        array = _dequantize(path, tensor)
+        array = dequantize_tensor(path, tensor)
         if int(np.prod(array.shape)) != math.prod(expected):
             raise ModelLoadError(f"{path}: tensor {tensor.name} dequantized to {array.shape}, expected {expected}")
         array = array.reshape(expected)
-        if heads:
-            array = _unpermute(array, heads)
-        yield name, array
+        yield name, (array if order is None else array[order])

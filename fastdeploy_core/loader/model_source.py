@@ -60,7 +60,9 @@ def _hf_source(path: str) -> ModelSource:
     config = _read_json(os.path.join(path, "config.json"))
     architectures = config.get("architectures") or []
     if not architectures:
-        raise ModelLoadError(f"{path}/config.json names no architectures; it must list e.g. [\"LlamaForCausalLM\"]")
+        raise ModelLoadError(
+            f'{path}/config.json names no architectures; it must list the model class, e.g. ["<Name>ForCausalLM"]'
+        )
     gen_path = os.path.join(path, "generation_config.json")
     generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     return ModelSource(path, "hf", config, generation, architectures[0])
@@ -89,7 +91,9 @@ def resolve_model_source(model: str | None) -> ModelSource:
             f"directory {model!r} holds {len(ggufs)} GGUF files ({', '.join(ggufs)}); pass one of them as --model",
             param="model",
         )
-    raise ModelLoadError(f"directory {model!r} has neither config.json nor a .gguf file; {_WHAT_TO_PASS}", param="model")
+    raise ModelLoadError(
+        f"directory {model!r} has neither config.json nor a .gguf file; {_WHAT_TO_PASS}", param="model"
+    )
 
 
 def iterate_weights(source: ModelSource, keep_blocks=None):

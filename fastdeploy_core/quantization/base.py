@@ -217,7 +217,7 @@ class QuantizerBase(LinearMethodBase):
         checkpoint orientation (``weight [out, in]`` or, packed, ``[out, in / 2]``; scales
         ``[out]`` or ``[out, G]``), or a :class:`~fastdeploy_core.quantization.gguf.GGUFBlocks`.
         """
-        from fastdeploy_core.quantization.gguf import GGUFBlocks
+        from fastdeploy_core.loader.gguf_blocks import GGUFBlocks
 
         start, stop = self.column_range(layer, shard_id)
         where = f"{layer.prefix or 'linear'}" + (f" shard {shard_id!r}" if shard_id is not None else "")

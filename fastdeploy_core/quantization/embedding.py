@@ -43,7 +43,8 @@ class Int8EmbeddingMethod:
 
     def load(self, layer, loaded) -> None:
         """A float ``[V, H]`` table (quantized here) or Q8_0 :class:`GGUFBlocks` (taken as stored)."""
-        from fastdeploy_core.quantization.gguf import GGUFBlocks, q8_0_to_int8
+        from fastdeploy_core.loader.gguf_blocks import GGUFBlocks
+        from fastdeploy_core.quantization.gguf import q8_0_to_int8
 
         shape = (layer.vocab_size, layer.hidden_size)
         if isinstance(loaded, GGUFBlocks):

@@ -182,7 +182,7 @@ def resolve_quantization(
         raise QuantizationError(f"'quantization' must be a method name, got {name!r}", param="quantization")
     quantizer = build_quantizer(name, data, pm, lenient=lenient)
     if gguf_path is not None:
-        from fastdeploy_core.quantization.gguf import linear_tensor_types
+        from fastdeploy_core.loader.gguf_loader import linear_tensor_types
 
         quantizer = quantizer.for_gguf(linear_tensor_types(gguf_path))
     if device is not None:

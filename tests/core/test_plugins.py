@@ -164,3 +164,15 @@ def test_plugins_command_says_which_implementation_serves_a_model(tmp_path):
     )
     assert out.returncode == 2
     assert "no native implementation of 'GPT2LMHeadModel'" in out.stderr
+
+
+def test_plugins_command_lists_the_gguf_architectures_a_plugin_registered():
+    exe = shutil.which("fastdeploy") or str(Path(sys.executable).parent / "fastdeploy")
+    out = subprocess.run([exe, "plugins"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    llama = out.stdout.split("llama  (fd-llama ")[1].split("\n")
+    assert "    gguf architectures: llama -> LlamaForCausalLM" in llama[:4]
+    data = json.loads(subprocess.run([exe, "plugins", "--json"], capture_output=True, text=True, timeout=120).stdout)
+    rows = by_name(data["plugins"])
+    assert rows["llama"]["gguf_architectures"] == ["llama -> LlamaForCausalLM"]
+    assert rows["builtin"]["gguf_architectures"] == []

@@ -11,13 +11,14 @@ import numpy as np
 import paddle
 import pytest
 
+from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.executor.forward_meta import ForwardMeta
 from fastdeploy_core.layers.linear import Linear, QKVLinear
-from fastdeploy_core.builtin.cpu.ops import CpuOps
-from fastdeploy_core.quantization.gguf import GGUFBlocks, q4_to_int4, q8_0_to_int8
+from fastdeploy_core.loader.gguf_blocks import GGUFBlocks
+from fastdeploy_core.quantization.gguf import q4_to_int4, q8_0_to_int8
 from fastdeploy_core.quantization.kv_cache import (
     Int8KVCacheOps,
     Int8KVCacheQuantizer,
@@ -58,10 +59,15 @@ def test_q4_blocks_become_int4_storage_exactly(type_name):
 
 
 def test_unpermuting_blocks_matches_unpermuting_floats():
-    from fastdeploy_core.loader.gguf_loader import _unpermute
+    from fd_llama.gguf import interleaved_rope_order
+
+    def _unpermute(weight, num_heads):  # the float formula: heads, pairs, halves swapped back
+        rows = weight.shape[0]
+        return weight.reshape(num_heads, rows // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
     blocks, exact = _gguf_tensor("Q8_0", shape=(64, 64))
-    np.testing.assert_array_equal(blocks.unpermute_heads(4).dequantize(), _unpermute(exact, 4))
+    unpermuted = blocks.permute_rows(interleaved_rope_order(64, 4))
+    np.testing.assert_array_equal(unpermuted.dequantize(), _unpermute(exact, 4))
 
 
 def test_gguf_blocks_load_into_layers_through_the_weight_loader():
