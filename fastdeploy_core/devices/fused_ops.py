@@ -16,7 +16,6 @@ conformance kit and ``fastdeploy env`` can say what really ran.
 
 from __future__ import annotations
 
-
 import numpy as np
 import paddle
 import paddle.nn.functional as F

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
-from fastdeploy_core.devices import Availability, Device, MemoryInfo
-
+from fastdeploy_core.devices import MemoryInfo
+from fastdeploy_core.devices.builtin_backend import PaddleBuiltinDevice
 from fd_kunlunxin.ops import KunlunxinOps
 
 
-class KunlunxinXpu(Device):
+class KunlunxinXpu(PaddleBuiltinDevice):
     """``--device xpu``: an XPU build of Paddle (``paddlepaddle-xpu``) with at least one visible XPU."""
 
     name = "xpu"
@@ -25,27 +23,13 @@ class KunlunxinXpu(Device):
     package = "fd-kunlunxin"
     ops_class = KunlunxinOps
 
-    @classmethod
-    def detect(cls) -> Availability:
-        import paddle
-
-        if not paddle.is_compiled_with_xpu():
-            return Availability.no(
-                f"this Paddle {paddle.__version__} is not compiled with XPU support; install paddlepaddle-xpu "
-                "(https://www.paddlepaddle.org.cn/packages/stable/xpu-p800/)"
-            )
-        if paddle.device.xpu.device_count() == 0:
-            visible = os.environ.get("XPU_VISIBLE_DEVICES", "<unset>")
-            return Availability.no(
-                f"Paddle is built with XPU but sees no XPU: check the driver (xpu-smi) and XPU_VISIBLE_DEVICES={visible}"
-            )
-        return Availability.yes()
-
-    @classmethod
-    def device_count(cls) -> int:
-        import paddle
-
-        return int(paddle.device.xpu.device_count()) if cls.detect().available else 0
+    compiled_with = "xpu"
+    build_label = "XPU"
+    install_hint = "install paddlepaddle-xpu (https://www.paddlepaddle.org.cn/packages/stable/xpu-p800/)"
+    runtime_module = "xpu"
+    unit = "XPU"
+    driver_tool = "xpu-smi"
+    visible_devices_env = "XPU_VISIBLE_DEVICES"
 
     @classmethod
     def memory_info(cls, index: int = 0) -> MemoryInfo:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
-from fastdeploy_core.devices import Availability, Device, MemoryInfo
-
+from fastdeploy_core.devices import MemoryInfo
+from fastdeploy_core.devices.builtin_backend import PaddleBuiltinDevice
 from fd_nvidia.ops import NvidiaOps
 
 
-class NvidiaGpu(Device):
+class NvidiaGpu(PaddleBuiltinDevice):
     """``--device gpu``: a CUDA build of Paddle (``paddlepaddle-gpu``) with at least one visible GPU."""
 
     name = "gpu"
@@ -24,32 +22,14 @@ class NvidiaGpu(Device):
     package = "fd-nvidia"
     ops_class = NvidiaOps
 
-    @classmethod
-    def detect(cls) -> Availability:
-        import paddle
-
-        if paddle.is_compiled_with_rocm():
-            return Availability.no(
-                f"this Paddle {paddle.__version__} is a ROCm build (Hygon DCU), not CUDA: use --device dcu (fd-hygon)"
-            )
-        if not paddle.is_compiled_with_cuda():
-            return Availability.no(
-                f"this Paddle {paddle.__version__} is not compiled with CUDA; install paddlepaddle-gpu "
-                "(see https://www.paddlepaddle.org.cn/install)"
-            )
-        if paddle.device.cuda.device_count() == 0:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
-            return Availability.no(
-                f"Paddle is built with CUDA but sees no GPU: check the driver (nvidia-smi) and "
-                f"CUDA_VISIBLE_DEVICES={visible}"
-            )
-        return Availability.yes()
-
-    @classmethod
-    def device_count(cls) -> int:
-        import paddle
-
-        return int(paddle.device.cuda.device_count()) if cls.detect().available else 0
+    compiled_with = "cuda"
+    build_label = "CUDA"
+    install_hint = "install paddlepaddle-gpu (see https://www.paddlepaddle.org.cn/install)"
+    runtime_module = "cuda"
+    unit = "GPU"
+    driver_tool = "nvidia-smi"
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
+    other_builds = {"rocm": "ROCm build (Hygon DCU), not CUDA: use --device dcu (fd-hygon)"}
 
     @classmethod
     def memory_info(cls, index: int = 0) -> MemoryInfo:
@@ -64,6 +44,4 @@ class NvidiaGpu(Device):
         if mem_get_info is not None:
             free, total = mem_get_info(index)
             return MemoryInfo(total_bytes=int(total), free_bytes=int(free))
-        total = int(paddle.device.cuda.get_device_properties(index).total_memory)
-        reserved = int(paddle.device.cuda.memory_reserved(index))
-        return MemoryInfo(total_bytes=total, free_bytes=max(total - reserved, 0))
+        return super().memory_info(index)
