@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from fastdeploy_core.engine.core_client import AsyncEngineClient
 from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.entrypoints.openai.errors import (
+    ClientDisconnected,
     error_body,
     model_not_found,
     queue_timeout,
@@ -43,10 +44,6 @@ from fastdeploy_core.entrypoints.openai.protocol import (
 from fastdeploy_core.errors import ContextLengthExceededError, FastDeployError, InvalidRequestError
 
 logger = logging.getLogger("fastdeploy.serve")
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away; the request has been aborted in the engine."""
 
 
 # --- admission --------------------------------------------------------------------------------
