@@ -27,7 +27,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from fastdeploy_core.errors import InvalidRequestError
 
-
 #: Longest rendered prompt, in characters, unless the caller passes its own bound.
 DEFAULT_MAX_CHARS = 1_000_000
 #: Longest a template may render for, in seconds.
@@ -101,15 +100,15 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         _check_binop(operator, left, right)
         return super().call_binop(context, operator, left, right)
 
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+    def call(__self, __context, __obj, *args, **kwargs):
         _check_time()
         for arg in (*args, *kwargs.values()):
             if isinstance(arg, int) and not isinstance(arg, bool):
                 _check_size(abs(arg))  # widths and counts of str methods (center, ljust, zfill, ...)
-        owner = getattr(__obj, "__self__", None)
-        if isinstance(owner, str) and getattr(__obj, "__name__", "") in ("format", "format_map"):
+        owner = getattr(obj, "__self__", None)
+        if isinstance(owner, str) and getattr(obj, "__name__", "") in ("format", "format_map"):
             _check_format_widths(owner)
-        return super().call(__context, __obj, *args, **kwargs)
+        return super().call(context, obj, *args, **kwargs)
 
 
 def _width_checked(filter_fn):
