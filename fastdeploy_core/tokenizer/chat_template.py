@@ -100,7 +100,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         _check_binop(operator, left, right)
         return super().call_binop(context, operator, left, right)
 
-    def call(__self, __context, __obj, *args, **kwargs):
+    def call(self, context, obj, /, *args, **kwargs):
         _check_time()
         for arg in (*args, *kwargs.values()):
             if isinstance(arg, int) and not isinstance(arg, bool):

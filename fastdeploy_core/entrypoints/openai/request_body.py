@@ -42,8 +42,6 @@ _OPEN[[ord("]"), ord("}")]] = -1
 
 def json_depth(raw: bytes) -> int:
     """How deeply arrays and objects nest in ``raw`` (brackets inside strings do not count)."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return raw.count(b"[") + raw.count(b"{")  # an upper bound, and already within the limit
     steps = _OPEN[np.frombuffer(_STRING.sub(b"", raw), dtype=np.uint8)]
     return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
 
@@ -69,7 +67,8 @@ def _find_surrogate(value: Any, path: str) -> str | None:
 def decode_json(raw: bytes) -> Any:
     """The JSON value of ``raw``; InvalidRequestError when it is not JSON, nests too deeply or holds a
     lone UTF-16 surrogate (text that no tokenizer and no UTF-8 response can carry)."""
-    depth = json_depth(raw)
+    # Fewer opening brackets than the limit, strings included, cannot nest past it: skip the scan.
+    depth = 0 if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH else json_depth(raw)
     if depth > MAX_JSON_DEPTH:
         raise InvalidRequestError(
             f"request body nests arrays/objects {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed",
