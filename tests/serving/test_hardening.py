@@ -204,8 +204,9 @@ def _open_stream(server, path="/v1/completions"):
                        stream=True)
     assert resp.status_code == 200
     lines = resp.iter_lines()
-    next(lines)
-    return client, resp
+    first = next(lines)
+    assert first.startswith("data: {") and '"text"' in first, first
+    return client, resp, lines  # dropping the line iterator would close the response
 
 
 @pytest.mark.slow
@@ -218,12 +219,12 @@ def test_429_has_retry_after_is_not_counted_and_reconnects_find_their_places(ser
         assert int(r.headers["retry-after"]) >= 1
         assert server.metrics()["fastdeploy:requests_number_total"] == before
     finally:
-        for client, resp in streams:
+        for client, resp, _ in streams:
             resp.close()
             client.close()
     # reconnect at once: the closed streams' places must be free (or freed within the grace)
     again = [_open_stream(server) for _ in range(4)]
-    for client, resp in again:
+    for client, resp, _ in again:
         resp.close()
         client.close()
     # a stream read to its end has given its place back before the client saw [DONE]
@@ -348,7 +349,7 @@ def test_operator_flags_metrics_key_trusted_templates_and_gauges_of_a_dead_engin
                     if ln and not ln.startswith("#")}
 
         core_pid = httpx.get(f"{srv.url}/config-info", headers=srv.headers()).json()["engine_core_pid"]
-        client, resp = _open_stream(srv)
+        client, resp, _ = _open_stream(srv)
         deadline = time.monotonic() + 30
         while scrape()["fastdeploy:num_requests_running"] < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
