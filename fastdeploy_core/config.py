@@ -133,6 +133,9 @@ class ServerConfig(_Section):
     api_key: list[str] = Field(default_factory=list)
     max_concurrency: int = Field(512, ge=1)
     max_waiting_time: float = Field(-1, description="seconds a request may wait; -1 = forever")
+    max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get 413")
+    protect_metrics: bool = Field(False, description="/metrics needs the API key too")
+    trust_request_chat_template: bool = Field(False, description="accept a chat_template sent in a request")
 
 
 class EngineArgs(_Section):

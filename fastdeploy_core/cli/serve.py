@@ -17,7 +17,8 @@ from fastdeploy_core.errors import ConfigError, FastDeployError
 logger = logging.getLogger("fastdeploy.serve")
 
 #: ServerConfig keys; every other key belongs to EngineArgs.
-SERVER_KEYS = ("host", "port", "metrics_port", "engine_worker_queue_port", "api_key", "max_concurrency", "max_waiting_time")
+SERVER_KEYS = ("host", "port", "metrics_port", "engine_worker_queue_port", "api_key", "max_concurrency",
+               "max_waiting_time", "max_request_body_bytes", "protect_metrics", "trust_request_chat_template")
 
 #: Flags accepted so FastDeploy command lines keep working, but that change nothing here (why).
 NO_EFFECT_FLAGS: dict[str, str] = {
@@ -57,6 +58,9 @@ def build_configs(preset: dict[str, Any], flags: dict[str, Any]):
 
     server_kw["api_key"] = collect_api_keys(server_kw.get("api_key"))
     server = validate_model(ServerConfig, server_kw)
+    if server.protect_metrics and not server.api_key:
+        raise ConfigError("--protect-metrics puts /metrics behind the API key, but no key is set; add --api-key "
+                          "(or env FD_API_KEY)", param="protect_metrics")
     engine = EngineArgs.create(**merged)
     for key, why in NO_EFFECT_FLAGS.items():
         if key in merged:
@@ -91,6 +95,9 @@ def serve(
     api_key: list[str] | None = typer.Option(None, "--api-key", help="Accepted API key (repeatable); also env FD_API_KEY (comma-separated)."),
     max_concurrency: int | None = typer.Option(None, "--max-concurrency", help="Requests in the server at once; more get 429 (default: 512)."),
     max_waiting_time: float | None = typer.Option(None, "--max-waiting-time", help="Seconds a request may wait for an engine slot before 503; -1 = forever (default: -1)."),
+    max_request_body_bytes: int | None = typer.Option(None, "--max-request-body-bytes", help="Largest request body in bytes; larger ones get 413 (default: 4194304, 4 MiB)."),
+    protect_metrics: bool | None = typer.Option(None, "--protect-metrics/--no-protect-metrics", help="Put /metrics (and --metrics-port) behind the API key too; /health and /ping stay open (default: off, as Prometheus scrapes expect)."),
+    trust_request_chat_template: bool | None = typer.Option(None, "--trust-request-chat-template/--no-trust-request-chat-template", help="Accept a chat_template sent in a request; it runs in a sandbox, bounded in size and time, but is code of the client's choosing (default: refused with 400)."),
     chat_template: str | None = typer.Option(None, "--chat-template", help="Jinja chat template (a file path or the template text)."),
     seed: int | None = typer.Option(None, "--seed", help="Engine seed for unseeded sampling."),
     config: str | None = typer.Option(None, "--config", help="YAML preset of these flags (dash or underscore names); flags given here win."),
@@ -113,6 +120,8 @@ def serve(
         "use_cudagraph": use_cudagraph, "enforce_eager": enforce_eager or None,
         "graph_optimization_config": graph_optimization_config,
         "max_concurrency": max_concurrency, "max_waiting_time": max_waiting_time,
+        "max_request_body_bytes": max_request_body_bytes, "protect_metrics": protect_metrics,
+        "trust_request_chat_template": trust_request_chat_template,
         "chat_template": _read_template(chat_template), "seed": seed,
     }
     try:
@@ -123,11 +132,11 @@ def serve(
     except FastDeployError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(2) from None
-    from fastdeploy_core.entrypoints.openai.api_server import run_server
+    from fastdeploy_core.entrypoints.openai import api_server
 
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     try:
-        run_server(engine_args, server, log_level=log_level.lower())
+        api_server.run_server(engine_args, server, log_level=log_level.lower())
     except FastDeployError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(2) from None

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from fastdeploy_core.errors import InvalidRequestError
-from fastdeploy_core.tokenizer.chat_template import render_chat_template
+from fastdeploy_core.tokenizer.chat_template import DEFAULT_MAX_CHARS, render_chat_template
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Tokenizer:
@@ -92,7 +95,16 @@ class Tokenizer:
     # ---- text <-> ids ----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` BOS is added as the model expects."""
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            # encode_batch releases the GIL while it works (encode does not), so a long text
+            # tokenized in a worker thread leaves the server's event loop running.
+            ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:
+            if isinstance(text, str) and _SURROGATE.search(text):
+                raise InvalidRequestError(
+                    "text holds a lone UTF-16 surrogate (e.g. \\ud800 without its pair); send valid Unicode"
+                ) from None
+            raise
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids
@@ -116,11 +128,13 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        max_chars: int = DEFAULT_MAX_CHARS,
         **template_kwargs,
     ) -> str:
         """The prompt text for ``messages``, rendered with the model's (or the given) template.
 
-        ``template_kwargs`` (e.g. ``tools``, ``enable_thinking``) are passed to the template.
+        ``template_kwargs`` (e.g. ``tools``, ``enable_thinking``) are passed to the template;
+        rendering stops past ``max_chars`` characters (see :func:`render_chat_template`).
         """
         template = chat_template or self.chat_template
         if template is None:
@@ -129,4 +143,6 @@ class Tokenizer:
             )
         variables = {role: token for role, token in self.special_tokens.items()}
         variables.update(template_kwargs)
-        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, **variables)
+        return render_chat_template(
+            template, messages, add_generation_prompt=add_generation_prompt, max_chars=max_chars, **variables
+        )

@@ -212,7 +212,7 @@ def test_health_ping_config_metrics(server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/ping").status_code == 200
     assert httpx.post(f"{server.url}/ping").status_code == 200
-    info = httpx.get(f"{server.url}/config-info").json()
+    info = httpx.get(f"{server.url}/config-info", headers=server.headers()).json()
     assert info["max_model_len"] == 512
     assert "api_key" not in info["server"]
     text = httpx.get(f"{server.url}/metrics").text

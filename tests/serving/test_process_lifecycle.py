@@ -43,7 +43,7 @@ def test_sigterm_stops_server_and_core_and_frees_ports(tmp_path):
     preset.write_text("served-model-name: from-preset\nmax-concurrency: 7\nmax_model_len: 256\nmax-num-seqs: 3\n")
     # --max-model-len 512 on the command line (start_server) wins over the preset's 256
     srv = start_server(str(tmp_path), "--config", str(preset))
-    info = httpx.get(f"{srv.url}/config-info").json()
+    info = httpx.get(f"{srv.url}/config-info", headers=srv.headers()).json()
     assert info["served_model_name"] == "from-preset"
     assert info["server"]["max_concurrency"] == 7
     assert info["engine_args"]["max_num_seqs"] == 8  # start_server's --max-num-seqs 8 wins
@@ -75,7 +75,7 @@ def test_sigterm_stops_server_and_core_and_frees_ports(tmp_path):
 def test_killed_engine_core_gives_503_and_errors_in_flight(tmp_path):
     # two engine slots, so a third request waits for one and gives up after 1 s
     srv = start_server(str(tmp_path), "--max-num-seqs", "2", "--max-waiting-time", "1")
-    core_pid = httpx.get(f"{srv.url}/config-info").json()["engine_core_pid"]
+    core_pid = httpx.get(f"{srv.url}/config-info", headers=srv.headers()).json()["engine_core_pid"]
     results: dict[str, object] = {}
 
     def non_streaming():

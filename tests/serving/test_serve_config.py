@@ -9,8 +9,9 @@ import pytest
 
 from fastdeploy_core.cli.serve import build_configs, load_preset
 from fastdeploy_core.entrypoints.openai.auth import APIKeyChecker, collect_api_keys
-from fastdeploy_core.entrypoints.openai.errors import APIError, parse_body
+from fastdeploy_core.entrypoints.openai.errors import APIError
 from fastdeploy_core.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from fastdeploy_core.entrypoints.openai.request_body import parse_body
 from fastdeploy_core.entrypoints.openai.serving_engine import Admission
 from fastdeploy_core.errors import ConfigError, InvalidRequestError
 

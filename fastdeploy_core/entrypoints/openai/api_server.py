@@ -1,13 +1,14 @@
-"""The OpenAI-compatible HTTP server: FastAPI app factory and ``python -m`` entry point.
+"""The OpenAI-compatible HTTP server: the FastAPI app factory and :func:`run_server`.
 
 The API process holds the tokenizer (chat template, tokenize, detokenize, stop strings); the
 engine core runs in its own process (:mod:`fastdeploy_core.engine.core_client`). Routes:
 ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/v1/abort_requests``,
-``/tokenize``, ``/detokenize`` (these need the API key when one is set), ``/health``, ``/ping``,
-``/metrics``, ``/config-info``.
+``/tokenize``, ``/detokenize`` and ``/config-info`` (ports, pids, every setting) need the API key
+when one is set; ``/health``, ``/ping`` and ``/metrics`` stay open, as load balancers and
+Prometheus expect, unless ``--protect-metrics`` puts ``/metrics`` behind the key too.
 
-``python -m fastdeploy_core.entrypoints.openai.api_server --model ...`` takes the same flags as
-``fastdeploy serve``.
+The one way in is ``fastdeploy serve`` (:mod:`fastdeploy_core.cli.serve`), which builds the
+configuration and calls :func:`run_server`; this module knows nothing of the command line.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from fastdeploy_core.config import EngineArgs, ServerConfig
 from fastdeploy_core.entrypoints.openai.auth import APIKeyChecker
-from fastdeploy_core.entrypoints.openai.errors import error_body, install_exception_handlers, parse_body
+from fastdeploy_core.entrypoints.openai.errors import error_body, install_exception_handlers
 from fastdeploy_core.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from fastdeploy_core.entrypoints.openai.protocol import (
     AbortRequest,
@@ -36,6 +37,7 @@ from fastdeploy_core.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from fastdeploy_core.entrypoints.openai.request_body import GuardedRoute
 from fastdeploy_core.errors import FastDeployError
 
 logger = logging.getLogger("fastdeploy.serve")
@@ -73,7 +75,8 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
             raise
         served = engine_args.model.served_model_name or _default_served_name(engine_args.model.model, source.path)
         admission = Admission(server.max_concurrency, engine_args.scheduler.max_num_seqs, server.max_waiting_time)
-        metrics = ServerMetrics(lambda: engine.stats, lambda: admission.num_waiting)
+        metrics = ServerMetrics(lambda: engine.stats, lambda: admission.num_waiting,
+                                engine_alive=lambda: engine.dead_error is None)
         state = ServingState(
             engine=engine,
             tokenizer=tokenizer,
@@ -84,11 +87,13 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
             chat_template=engine_args.model.chat_template,
             generation_config=source.generation_config,
             accepted_model_names={engine_args.model.model} if engine_args.model.model else set(),
+            trust_request_chat_template=server.trust_request_chat_template,
         )
         holder["state"] = state
         metrics_server = None
         if server.metrics_port and server.metrics_port != server.port:
-            metrics_server = _start_metrics_server(metrics, server.host, server.metrics_port)
+            metrics_server = _start_metrics_server(metrics, server.host, server.metrics_port,
+                                                   auth if server.protect_metrics else None)
         logger.info(
             "serving %s (max_model_len %d) on http://%s:%d; engine core pid %d on 127.0.0.1:%d",
             served, engine.max_model_len, server.host, server.port, core.process.pid, core.port,
@@ -107,9 +112,12 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
             logger.info("engine core stopped")
 
     app = FastAPI(title="fastdeploy-core OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.router.route_class = GuardedRoute
+    app.state.max_request_body_bytes = server.max_request_body_bytes
     install_exception_handlers(app)
     auth = APIKeyChecker(server.api_key)
-    protected = APIRouter(dependencies=[Depends(auth)])
+    protected = APIRouter(dependencies=[Depends(auth)], route_class=GuardedRoute)
+    metrics_router = protected if server.protect_metrics else app
 
     def state() -> ServingState:
         return holder["state"]
@@ -128,11 +136,11 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
     async def ping() -> Response:
         return engine_down() or JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @metrics_router.get("/metrics")
     async def metrics() -> Response:
         return Response(state().metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/config-info")
+    @protected.get("/config-info")
     async def config_info() -> JSONResponse:
         s = state()
         return JSONResponse(
@@ -155,20 +163,17 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
         return _json(ModelList(data=[card]))
 
     @protected.post("/v1/chat/completions")
-    async def chat_completions(raw: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await raw.body())
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         result = await create_chat_completion(state(), req, raw)
         return result if isinstance(result, Response) else _json(result)
 
     @protected.post("/v1/completions")
-    async def completions(raw: Request) -> Response:
-        req = parse_body(CompletionRequest, await raw.body())
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
         result = await create_completion(state(), req, raw)
         return result if isinstance(result, Response) else _json(result)
 
     @protected.post("/v1/abort_requests")
-    async def abort_requests(raw: Request) -> JSONResponse:
-        req = parse_body(AbortRequest, await raw.body())
+    async def abort_requests(req: AbortRequest) -> JSONResponse:
         engine = state().engine
         active = engine.active_request_ids()
         wanted = active if req.abort_all else req.req_ids
@@ -179,33 +184,29 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
         return _json(AbortResponse(aborted=aborted, not_found=[r for r in wanted if r not in active]))
 
     @protected.post("/tokenize")
-    async def tokenize(raw: Request) -> JSONResponse:
-        req = parse_body(TokenizeRequest, await raw.body())
+    async def tokenize(req: TokenizeRequest) -> JSONResponse:
         s = state()
         s.check_model(req.model)
         if req.messages is not None:
-            chat = ChatCompletionRequest(
+            chat = ChatCompletionRequest.model_construct(
                 messages=req.messages,
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template=req.chat_template,
                 chat_template_kwargs=req.chat_template_kwargs,
+                disable_chat_template=False,
             )
-            _, ids = render_chat_prompt(s, chat)
+            _, ids = await s.off_loop(render_chat_prompt, s, chat)
         else:
-            ids = list(s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            ids = await s.off_loop(s.encode_prompt, req.prompt, req.add_special_tokens)
         return _json(TokenizeResponse(count=len(ids), max_model_len=s.max_model_len, tokens=ids))
 
     @protected.post("/detokenize")
-    async def detokenize(raw: Request) -> JSONResponse:
-        req = parse_body(DetokenizeRequest, await raw.body())
+    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         s = state()
         s.check_model(req.model)
-        vocab = getattr(s.tokenizer, "vocab_size", None)
-        if vocab and any(t < 0 or t >= vocab for t in req.tokens):
-            from fastdeploy_core.errors import InvalidRequestError
-
-            raise InvalidRequestError(f"tokens: ids must be in [0, {vocab})", param="tokens")
-        return _json(DetokenizeResponse(prompt=s.tokenizer.decode(req.tokens, skip_special_tokens=False)))
+        s.check_token_ids(req.tokens, "tokens")
+        text = await s.off_loop(s.tokenizer.decode, req.tokens, skip_special_tokens=False)
+        return _json(DetokenizeResponse(prompt=text))
 
     app.include_router(protected)
     return app
@@ -226,15 +227,24 @@ def _default_served_name(model: str | None, path: str) -> str:
     return model
 
 
-def _start_metrics_server(metrics: ServerMetrics, host: str, port: int):
-    """Prometheus text on its own port (``--metrics-port``), in a thread."""
+def _start_metrics_server(metrics: ServerMetrics, host: str, port: int, auth: APIKeyChecker | None):
+    """Prometheus text on its own port (``--metrics-port``), in a thread; ``auth`` checks the key
+    when ``--protect-metrics`` is on."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from fastdeploy_core.entrypoints.openai.errors import APIError
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
             if self.path.split("?")[0] not in ("/metrics", "/"):
                 self.send_error(404)
                 return
+            if auth is not None:
+                try:
+                    auth.check(self.headers.get("Authorization"))
+                except APIError as exc:
+                    self.send_error(401, exc.message)
+                    return
             body = metrics.render()
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE)
@@ -268,18 +278,3 @@ def run_server(engine_args: EngineArgs, server: ServerConfig, log_level: str = "
         access_log=False,
     )
     uvicorn.Server(config).run()
-
-
-def main() -> None:
-    """``python -m fastdeploy_core.entrypoints.openai.api_server``: the flags of ``fastdeploy serve``."""
-    import typer
-
-    from fastdeploy_core.cli.serve import register
-
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    register(app)
-    app()
-
-
-if __name__ == "__main__":
-    main()

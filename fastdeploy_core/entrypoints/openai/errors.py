@@ -7,14 +7,13 @@ its traceback, because it is a bug).
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdeploy_core.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
@@ -23,13 +22,22 @@ from fastdeploy_core.errors import FastDeployError, InvalidRequestError
 logger = logging.getLogger("fastdeploy.serve")
 
 
-class APIError(FastDeployError):
-    """An HTTP-level refusal that is not about the request's content (auth, limits, routing)."""
+class ClientDisconnected(Exception):
+    """The HTTP client went away; the request has been aborted in the engine."""
 
-    def __init__(self, message: str, *, status: int, error_type: str, code: str | None = None, param: str | None = None):
+
+class APIError(FastDeployError):
+    """An HTTP-level refusal that is not about the request's content (auth, limits, routing).
+
+    ``headers`` go out with the answer (``Retry-After`` on 429, ``WWW-Authenticate`` on 401).
+    """
+
+    def __init__(self, message: str, *, status: int, error_type: str, code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message, param=param, code=code)
         self.http_status = status
         self.error_type = error_type
+        self.headers = headers or {}
 
 
 def unauthorized(message: str) -> APIError:
@@ -46,12 +54,38 @@ def model_not_found(name: str, served: str) -> APIError:
     )
 
 
+#: Seconds a 429 asks the client to wait: about one short generation; clients back off from there.
+RETRY_AFTER_SECONDS = 1
+
+
 def too_many_requests(limit: int) -> APIError:
     return APIError(
-        f"too many concurrent requests: this server takes at most {limit} at once (--max-concurrency); retry later",
+        f"too many concurrent requests: this server takes at most {limit} at once (--max-concurrency); "
+        f"retry after {RETRY_AFTER_SECONDS} s",
         status=429,
         error_type="rate_limit_error",
         code="rate_limit_exceeded",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(
+        f"request body is larger than {limit} bytes; send a smaller request or start the server with a "
+        "higher --max-request-body-bytes",
+        status=413,
+        error_type="invalid_request_error",
+        code="request_too_large",
+    )
+
+
+def unsupported_media_type(content_type: str | None) -> APIError:
+    given = f"`{content_type}`" if content_type else "no Content-Type"
+    return APIError(
+        f"request body must be JSON, got {given}; send the header `Content-Type: application/json`",
+        status=415,
+        error_type="invalid_request_error",
+        code="unsupported_media_type",
     )
 
 
@@ -64,14 +98,24 @@ def queue_timeout(seconds: float) -> APIError:
     )
 
 
+def _printable(text: str | None) -> str | None:
+    # A message may quote client input; a lone surrogate in it cannot be encoded as UTF-8.
+    if text is None:
+        return None
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, error_type: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
-    return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=code)).model_dump()
+    code = _printable(code) if isinstance(code, str) else code
+    info = ErrorInfo(message=_printable(message), type=error_type, param=_printable(param), code=code)
+    return ErrorResponse(error=info).model_dump()
 
 
 def error_response(exc: FastDeployError) -> JSONResponse:
     return JSONResponse(
         error_body(exc.message, exc.error_type, exc.param, exc.code),
         status_code=exc.http_status,
+        headers=getattr(exc, "headers", None) or None,
     )
 
 
@@ -100,20 +144,6 @@ def validation_to_error(exc: ValidationError | RequestValidationError) -> FastDe
     return InvalidRequestError("; ".join(messages[:10]) or "invalid request", param=param)
 
 
-def parse_body(model: type[BaseModel], raw: bytes) -> Any:
-    """Decode a JSON body and validate it; every failure is a 400 InvalidRequestError."""
-    try:
-        data = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise InvalidRequestError("request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_to_error(exc) from None
-
-
 def install_exception_handlers(app: FastAPI) -> None:
     """Map every exception to OpenAI's error shape with the right status."""
 
@@ -135,8 +165,6 @@ def install_exception_handlers(app: FastAPI) -> None:
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
-
-    from fastdeploy_core.entrypoints.openai.serving_engine import ClientDisconnected
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected) -> JSONResponse:

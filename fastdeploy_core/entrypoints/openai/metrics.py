@@ -31,15 +31,18 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 class _EngineStateCollector:
     """Gauges computed from the engine's latest statistics when Prometheus scrapes."""
 
-    def __init__(self, get_stats: Callable[[], dict[str, Any]], get_api_waiting: Callable[[], int]):
+    def __init__(self, get_stats: Callable[[], dict[str, Any]], get_api_waiting: Callable[[], int],
+                 engine_alive: Callable[[], bool]):
         self._get_stats = get_stats
         self._get_api_waiting = get_api_waiting
+        self._engine_alive = engine_alive
 
     def describe(self):
         return []
 
     def collect(self):
-        s = self._get_stats() or {}
+        # A dead engine runs nothing and holds no cache: its last statistics would lie.
+        s = (self._get_stats() or {}) if self._engine_alive() else {}
         total = int(s.get("num_total_blocks", 0) or 0)
         free = int(s.get("num_free_blocks", 0) or 0)
         usage = s.get("cache_usage")
@@ -68,7 +71,8 @@ class _EngineStateCollector:
 class ServerMetrics:
     """All metrics of one server, in their own registry (several servers may live in one process)."""
 
-    def __init__(self, get_stats: Callable[[], dict[str, Any]], get_api_waiting: Callable[[], int] = lambda: 0):
+    def __init__(self, get_stats: Callable[[], dict[str, Any]], get_api_waiting: Callable[[], int] = lambda: 0,
+                 engine_alive: Callable[[], bool] = lambda: True):
         self.registry = CollectorRegistry()
         r = self.registry
         self.time_to_first_token = Histogram(
@@ -91,7 +95,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("fastdeploy:generation_tokens", "Tokens generated", registry=r)
         self.request_success = Counter("fastdeploy:request_success", "Requests finished successfully", registry=r)
         self.requests_number = Counter("fastdeploy:requests_number", "Requests received", registry=r)
-        r.register(_EngineStateCollector(get_stats, get_api_waiting))
+        r.register(_EngineStateCollector(get_stats, get_api_waiting, engine_alive))
         self._lock = threading.Lock()
 
     def render(self) -> bytes:

@@ -11,6 +11,7 @@ once per field name. Shapes are checked here; sampling ranges are checked once m
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -28,6 +29,7 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 
 _warned_unknown_fields: set[str] = set()
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")  # ASCII digits: str.isdigit() also takes "²", which int() refuses
 
 
 class OpenAIBaseModel(BaseModel):
@@ -41,7 +43,8 @@ class OpenAIBaseModel(BaseModel):
         new = sorted(k for k in extra if k not in _warned_unknown_fields)
         if new:
             _warned_unknown_fields.update(new)
-            logger.warning("%s: ignoring unknown field(s) %s", type(self).__name__, ", ".join(new))
+            # ascii(): a field name may hold text the log stream cannot encode
+            logger.warning("%s: ignoring unknown field(s) %s", type(self).__name__, ascii(new)[1:-1])
         return self
 
 
@@ -134,7 +137,7 @@ class _SamplingFields(OpenAIBaseModel):
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
         if self.logit_bias:
             for key, value in self.logit_bias.items():
-                if not key.lstrip("-").isdigit():
+                if not _TOKEN_ID_KEY.fullmatch(key):
                     raise InvalidRequestError(
                         f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias"
                     )
@@ -382,7 +385,7 @@ class TokenizeRequest(OpenAIBaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessageParam] | None = None
+    messages: list[ChatMessageParam] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     chat_template: str | None = None

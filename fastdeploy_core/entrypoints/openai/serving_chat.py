@@ -31,23 +31,35 @@ from fastdeploy_core.errors import InvalidRequestError
 
 
 def render_chat_prompt(state: ServingState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """The prompt text and its token ids (chat template applied unless disabled)."""
+    """The prompt text and its token ids (chat template applied unless disabled).
+
+    Slow for long conversations: call it through :meth:`ServingState.off_loop`.
+    """
+    state.check_chat_template(req.chat_template)
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
     if req.disable_chat_template:
         text = "".join(m["content"] for m in messages)
-        return text, list(state.tokenizer.encode(text, add_special_tokens=True))
+        return text, state.encode_prompt(text, add_special_tokens=True, param="messages")
     kwargs = dict(req.chat_template_kwargs or {})
     template = req.chat_template or state.chat_template
     try:
         text = state.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, chat_template=template, **kwargs
+            messages, add_generation_prompt=req.add_generation_prompt, chat_template=template,
+            max_chars=state.max_prompt_chars, **kwargs
         )
     except InvalidRequestError:
         raise
     except Exception as exc:  # noqa: BLE001 - a user template or kwargs that the template rejects
         raise InvalidRequestError(f"chat template failed: {type(exc).__name__}: {exc}", param="messages") from None
     # The template writes the special tokens itself; do not add a second bos.
-    return text, list(state.tokenizer.encode(text, add_special_tokens=False))
+    return text, state.encode_prompt(text, add_special_tokens=False, param="messages")
+
+
+def _prepare(state: ServingState, req: ChatCompletionRequest):
+    prompt, prompt_ids = render_chat_prompt(state, req)
+    params = state.sampling_params(req, max_tokens=req.requested_max_tokens(), logprobs=req.num_logprobs())
+    state.check_length(prompt_ids, params)
+    return prompt, prompt_ids, params
 
 
 async def create_chat_completion(state: ServingState, req: ChatCompletionRequest, raw: Request) -> Any:
@@ -55,13 +67,11 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     arrival = time.time()
     state.check_engine()
     state.check_model(req.model)
-    prompt, prompt_ids = render_chat_prompt(state, req)
+    prompt, prompt_ids, params = await state.off_loop(_prepare, state, req)
     top_n = req.top_logprobs or 0
-    params = state.sampling_params(req, max_tokens=req.requested_max_tokens(), logprobs=req.num_logprobs())
-    state.check_length(prompt_ids, params)
     request_id = state.new_request_id("chatcmpl", req.request_id)
-    state.metrics.requests_number.inc()
     lease = await state.admission.admit(req.n)
+    state.metrics.requests_number.inc()
     model = state.served_model_name
     jobs = [(request_id, prompt, prompt_ids, params)]
 

@@ -33,19 +33,16 @@ def _prepare_prompts(state: ServingState, req: CompletionRequest) -> list[tuple[
     prompts = []
     for p in req.prompts():
         if isinstance(p, str):
-            prompts.append((p, list(state.tokenizer.encode(p, add_special_tokens=True))))
+            prompts.append((p, state.encode_prompt(p, add_special_tokens=True)))
         else:
-            prompts.append((state.tokenizer.decode(list(p), skip_special_tokens=False), list(p)))
+            ids = list(p)
+            state.check_token_ids(ids, "prompt")  # before decode: the tokenizer takes only valid ids
+            prompts.append((state.tokenizer.decode(ids, skip_special_tokens=False), ids))
     return prompts
 
 
-async def create_completion(state: ServingState, req: CompletionRequest, raw: Request) -> Any:
-    """Validate, admit and run a completion request (one or many prompts)."""
-    arrival = time.time()
-    state.check_engine()
-    state.check_model(req.model)
+def _prepare(state: ServingState, req: CompletionRequest):
     prompts = _prepare_prompts(state, req)
-    top_n = req.logprobs or 0
     params = state.sampling_params(
         req,
         max_tokens=req.max_tokens if req.max_tokens is not None else 16,  # OpenAI's default for completions
@@ -54,13 +51,23 @@ async def create_completion(state: ServingState, req: CompletionRequest, raw: Re
     )
     for _, ids in prompts:
         state.check_length(ids, params)
+    return prompts, params
+
+
+async def create_completion(state: ServingState, req: CompletionRequest, raw: Request) -> Any:
+    """Validate, admit and run a completion request (one or many prompts)."""
+    arrival = time.time()
+    state.check_engine()
+    state.check_model(req.model)
+    prompts, params = await state.off_loop(_prepare, state, req)
+    top_n = req.logprobs or 0
     base_id = state.new_request_id("cmpl", req.request_id)
     jobs = [
         (base_id if len(prompts) == 1 else f"{base_id}-{k}", text, ids, params)
         for k, (text, ids) in enumerate(prompts)
     ]
-    state.metrics.requests_number.inc()
     lease = await state.admission.admit(req.n * len(prompts))
+    state.metrics.requests_number.inc()  # after admission: a 429 is not a request received
     model = state.served_model_name
 
     if req.stream:

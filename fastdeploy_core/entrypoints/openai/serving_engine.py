@@ -4,6 +4,14 @@ Admission has two stages, as in FastDeploy: at most ``--max-concurrency`` genera
 are in the server at once (the next one gets 429 at once), and at most ``max_num_seqs``
 sequences are in the engine; a request waits for engine slots up to ``--max-waiting-time``
 seconds (then 503). The waiting time is ``fastdeploy:request_queue_time_seconds``.
+
+A request over the concurrency limit waits a moment (CONCURRENCY_GRACE_SECONDS) for a place
+before its 429: a client that closes its streams and reconnects at once would otherwise race the
+server noticing the disconnects. A stream gives its place back when its last event is produced,
+before the response ends, so the client never sees the end of a stream that still holds a place.
+
+Tokenization, template rendering and the checks that walk the prompt run in worker threads
+(:meth:`ServingState.off_loop`): a multi-megabyte prompt must not stall ``/health``.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -26,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 from fastdeploy_core.engine.core_client import AsyncEngineClient
 from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.entrypoints.openai.errors import (
+    ClientDisconnected,
     error_body,
     model_not_found,
     queue_timeout,
@@ -45,11 +55,10 @@ from fastdeploy_core.errors import ContextLengthExceededError, FastDeployError, 
 logger = logging.getLogger("fastdeploy.serve")
 
 
-class ClientDisconnected(Exception):
-    """The HTTP client went away; the request has been aborted in the engine."""
-
-
 # --- admission --------------------------------------------------------------------------------
+
+#: How long a request over --max-concurrency waits for a place before it gets 429.
+CONCURRENCY_GRACE_SECONDS = 0.05
 
 
 class Admission:
@@ -62,6 +71,7 @@ class Admission:
         self.in_flight = 0
         self.free_slots = max_slots
         self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+        self._place_waiters: list[asyncio.Future] = []
 
     @property
     def num_waiting(self) -> int:
@@ -75,10 +85,29 @@ class Admission:
             self.free_slots -= slots
             fut.set_result(None)
 
+    def _place_freed(self) -> None:
+        waiters, self._place_waiters = self._place_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _wait_for_place(self) -> None:
+        deadline = time.monotonic() + CONCURRENCY_GRACE_SECONDS
+        while self.in_flight >= self.max_concurrency:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise too_many_requests(self.max_concurrency)
+            fut = asyncio.get_running_loop().create_future()
+            self._place_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                raise too_many_requests(self.max_concurrency) from None
+
     async def admit(self, slots: int) -> Lease:
         """Hold one concurrency place and ``slots`` engine slots, or raise 429 / 503."""
         if self.in_flight >= self.max_concurrency:
-            raise too_many_requests(self.max_concurrency)
+            await self._wait_for_place()
         if slots > self.max_slots:
             raise InvalidRequestError(
                 f"n: {slots} sequences asked for, but the engine runs at most {self.max_slots} (--max-num-seqs)",
@@ -135,13 +164,14 @@ class Lease:
         if self.slots:
             self.admission.free_slots += self.slots
             self.admission._grant()
+        self.admission._place_freed()
 
 
 class LeasedStreamingResponse(StreamingResponse):
     """A streaming response that releases its lease and closes its generator however it ends."""
 
     def __init__(self, content: AsyncIterator[str], lease: Lease, **kwargs: Any):
-        super().__init__(content, media_type="text/event-stream", **kwargs)
+        super().__init__(_release_at_end(content, lease), media_type="text/event-stream", **kwargs)
         self._lease = lease
         self._content = content
 
@@ -153,6 +183,16 @@ class LeasedStreamingResponse(StreamingResponse):
                 await self._content.aclose()  # runs its finally: aborts the request if unfinished
             finally:
                 self._lease.release()
+
+
+async def _release_at_end(content: AsyncIterator[str], lease: Lease) -> AsyncIterator[str]:
+    # The lease goes back before the response's last frame: a client that saw its stream end may
+    # reconnect at once and must find its place free.
+    try:
+        async for chunk in content:
+            yield chunk
+    finally:
+        lease.release()
 
 
 # --- the shared state ---------------------------------------------------------------------------
@@ -171,10 +211,59 @@ class ServingState:
     chat_template: str | None = None
     generation_config: dict[str, Any] | None = None
     accepted_model_names: set[str] = field(default_factory=set)
+    trust_request_chat_template: bool = False
+    _longest_token: int = field(default=64, init=False)
+
+    def __post_init__(self) -> None:
+        backend = getattr(self.tokenizer, "backend", None)
+        if backend is not None:
+            self._longest_token = max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=64)
 
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A text longer than this cannot fit into max_model_len tokens, so it is refused before it
+        is tokenized: no token covers more than the longest vocabulary entry (twice that, for
+        normalizers that shorten text)."""
+        return self.max_model_len * self._longest_token * 2
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` in a worker thread: tokenizing or rendering a large prompt takes seconds."""
+        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(text)} characters, more than {self.max_model_len} tokens can hold; shorten the prompt",
+                param=param,
+            )
+
+    def encode_prompt(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids of a prompt text; too long a text is refused before the tokenizer sees it."""
+        self.check_prompt_chars(text, param)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """400 unless every id names a token of the vocabulary."""
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if vocab and any(t < 0 or t >= vocab for t in ids):
+            bad = next(t for t in ids if t < 0 or t >= vocab)
+            shown = str(bad) if len(str(bad)) <= 24 else f"{str(bad)[:20]}..."
+            raise InvalidRequestError(f"{param}: token ids must be in [0, {vocab}), got {shown}", param=param)
+
+    def check_chat_template(self, template: str | None) -> None:
+        """A template sent with a request runs code the operator did not choose: refused by default."""
+        if template is not None and not self.trust_request_chat_template:
+            raise InvalidRequestError(
+                "chat_template: this server does not accept chat templates in requests; its operator can "
+                "allow them with --trust-request-chat-template",
+                param="chat_template",
+                code="chat_template_not_allowed",
+            )
 
     def check_model(self, name: str | None) -> None:
         if name is None or name == "" or name == self.served_model_name or name in self.accepted_model_names:
@@ -191,7 +280,10 @@ class ServingState:
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams from a request (FastDeploy names); bad values raise a 400 naming the field."""
         banned: list[list[int]] = []
+        if req.stop_token_ids:
+            self.check_token_ids(list(req.stop_token_ids), "stop_token_ids")
         if req.logit_bias:
+            self.check_token_ids([int(key) for key in req.logit_bias], "logit_bias")
             for key, bias in req.logit_bias.items():
                 if bias > -100:
                     raise InvalidRequestError(
@@ -245,9 +337,7 @@ class ServingState:
                 "or shorten the prompt",
                 param="max_tokens",
             )
-        vocab = getattr(self.tokenizer, "vocab_size", None)
-        if vocab and any(t < 0 or t >= vocab for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})", param="prompt")
+        self.check_token_ids(prompt_token_ids, "prompt")
 
     def new_request_id(self, prefix: str, given: str | None) -> str:
         rid = given or f"{prefix}-{uuid.uuid4().hex}"
