@@ -37,7 +37,7 @@ def main() -> None:
 
     from fastdeploy_core.loader import load_model_weights, resolve_model_source
     from fastdeploy_core.tokenizer import load_tokenizer
-    from tests.models.paged_harness import build_meta
+    from fastdeploy_core.testing.paged_harness import build_meta
 
     t0 = time.perf_counter()
     source = resolve_model_source(args.model)

@@ -58,7 +58,7 @@ def main() -> None:
     from fastdeploy_core.builtin.cpu.kernels import load_kernels
     from fastdeploy_core.quantization.registry import resolve_quantization
     from fastdeploy_core.tokenizer import load_tokenizer
-    from tests.models.paged_harness import build_meta
+    from fastdeploy_core.testing.paged_harness import build_meta
 
     ops = CpuDevice.make_ops()
     set_current_ops(ops)

@@ -1,7 +1,7 @@
 """The offline API on the real default model (SmolLM2-135M-Instruct GGUF).
 
 One ``LLM()`` per module; the transformers reference comes from the session/disk-cached
-helper of tests/models so it is computed once.
+helper of tests/support/reference.py so it is computed once.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from fastdeploy_core import LLM, SamplingParams
 from fastdeploy_core.engine.output_processor import IncrementalDetokenizer
 from fastdeploy_core.errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError
-from tests.models.reference import CHAT_MESSAGES, NUM_GREEDY_TOKENS, transformers_smollm2_reference
+from tests.support.reference import CHAT_MESSAGES, NUM_GREEDY_TOKENS, transformers_smollm2_reference
 
 pytestmark = pytest.mark.slow
 

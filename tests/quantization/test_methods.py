@@ -131,8 +131,8 @@ def _load_qkv(quantizer, rng, hidden=256, head_dim=32, heads=8, kv_heads=2, bias
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
-@pytest.mark.parametrize("ops_cls", [ReferenceOps, CpuOps], ids=["reference", "cpu_kernels"])
-def test_quantized_layer_is_close_to_the_float_layer(name, ops_cls, kernels):
+@pytest.mark.parametrize("ops_cls", [ReferenceOps, CpuOps], ids=["reference", "kernels"])
+def test_quantized_layer_is_close_to_the_float_layer(name, ops_cls, cpu_kernels):
     quantizer = METHODS[name]()
     layer, floats = _load_qkv(quantizer, np.random.default_rng(4), bias=True)
     assert layer.quant_method is quantizer
@@ -249,7 +249,7 @@ KERNEL_CASES = [
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 37])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=[f"{c[1]}-g{c[3]}" for c in KERNEL_CASES])
-def test_kernel_matches_reference_formula(case, rows, kernels):
+def test_kernel_matches_reference_formula(case, rows, cpu_kernels):
     kind, op_name, method_cls, group = case
     K, N = 576, 200  # a short last group (576 = 4 * 128 + 64) and 8 tail columns past 6 tiles of 32
     rng = np.random.default_rng(rows)
@@ -263,26 +263,26 @@ def test_kernel_matches_reference_formula(case, rows, kernels):
     assert rel(got, want) <= 1e-4
 
 
-def test_kernel_accepts_3d_input_and_noncontiguous_rows(kernels):
+def test_kernel_accepts_3d_input_and_noncontiguous_rows(cpu_kernels):
     rng = np.random.default_rng(9)
     out = quantize_int8(gaussian(rng, (64, 96)), 64)
     w, s = paddle.to_tensor(out["weight"]), paddle.to_tensor(out["weight_scale"])
     x = paddle.to_tensor(gaussian(rng, (2, 5, 128)))[:, :, ::2]  # a strided view
-    got = kernels.fd_int8_linear(x, w, s, 64, False).numpy()
+    got = cpu_kernels.fd_int8_linear(x, w, s, 64, False).numpy()
     want = WeightOnlyInt8.reference_op(x, w, s, 64).numpy()
     assert got.shape == (2, 5, 96) and rel(got, want) <= 1e-4
 
 
-def test_kernel_rejects_mismatched_shapes(kernels):
+def test_kernel_rejects_mismatched_shapes(cpu_kernels):
     w = paddle.zeros([64, 32], dtype="int8")
     s = paddle.ones([1, 32])
     with pytest.raises(Exception, match="must equal the weight's K"):
-        kernels.fd_int8_linear(paddle.ones([2, 63]), w, s, 64, False)
+        cpu_kernels.fd_int8_linear(paddle.ones([2, 63]), w, s, 64, False)
     with pytest.raises(Exception, match="groups"):
-        kernels.fd_int8_linear(paddle.ones([2, 64]), w, s, 32, False)
+        cpu_kernels.fd_int8_linear(paddle.ones([2, 64]), w, s, 32, False)
 
 
-def test_fp8_kernel_decodes_every_e4m3_value_exactly(kernels):
+def test_fp8_kernel_decodes_every_e4m3_value_exactly(cpu_kernels):
     """All 254 finite e4m3fn bit patterns (incl. subnormals and -0) widen exactly."""
     codes = np.array([b for b in range(256) if (b & 0x7F) != 0x7F], dtype=np.uint8)  # drop the NaNs
     K = len(codes)
@@ -290,7 +290,7 @@ def test_fp8_kernel_decodes_every_e4m3_value_exactly(kernels):
     as_float = weight.astype("float32").numpy()[:, 0]
     assert np.isfinite(as_float).all() and as_float.max() == 448.0 and as_float[1] == 2.0**-9
     eye = paddle.eye(K)
-    got = kernels.fd_fp8_linear(eye, weight, paddle.ones([1, 32]), K).numpy()
+    got = cpu_kernels.fd_fp8_linear(eye, weight, paddle.ones([1, 32]), K).numpy()
     np.testing.assert_array_equal(got[:, 0], as_float)
 
 

@@ -23,27 +23,20 @@ import pytest
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.builtin.cpu.layout import pack_column_tiles
 from fastdeploy_core.builtin.cpu.ops import CpuOps
-from fastdeploy_core.builtin.cpu.kernels import has_avx512_vnni, kernel_failure, load_kernels
+from fastdeploy_core.builtin.cpu.kernels import has_avx512_vnni
 from fastdeploy_core.testing.checks import head_with_near_ties
 
 TILES = 37  # an odd number of 32-column tiles
 V = 32 * TILES
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    module = load_kernels()
-    assert module is not None, f"the cpu kernels must build on this machine: {kernel_failure()}"
-    return module
-
-
-def full_path(kernels, x: np.ndarray, packed: paddle.Tensor) -> np.ndarray:
+def full_path(cpu_kernels, x: np.ndarray, packed: paddle.Tensor) -> np.ndarray:
     """What the runner computes without the greedy head: fd_argmax over fd_f32_linear's logits."""
-    return kernels.fd_argmax(kernels.fd_f32_linear(paddle.to_tensor(x), packed)).numpy()
+    return cpu_kernels.fd_argmax(cpu_kernels.fd_f32_linear(paddle.to_tensor(x), packed)).numpy()
 
 
-def greedy(kernels, x: np.ndarray, packed: paddle.Tensor, state) -> tuple[np.ndarray, np.ndarray]:
-    tokens, tiles = kernels.fd_greedy_head(paddle.to_tensor(x), packed, *state)
+def greedy(cpu_kernels, x: np.ndarray, packed: paddle.Tensor, state) -> tuple[np.ndarray, np.ndarray]:
+    tokens, tiles = cpu_kernels.fd_greedy_head(paddle.to_tensor(x), packed, *state)
     return tokens.numpy(), tiles.numpy()
 
 
@@ -65,45 +58,45 @@ def case(seed: int, batch: int, K: int):
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 8, 10, 16, 17, 64])
 @pytest.mark.parametrize("K", [64, 70])
-def test_tokens_equal_the_full_path(kernels, batch, K):
+def test_tokens_equal_the_full_path(cpu_kernels, batch, K):
     x, packed = case(batch * 100 + K, batch, K)
-    state = kernels.fd_greedy_head_prepare(packed)
-    tokens, tiles = greedy(kernels, x, packed, state)
-    want = full_path(kernels, x, packed)
+    state = cpu_kernels.fd_greedy_head_prepare(packed)
+    tokens, tiles = greedy(cpu_kernels, x, packed, state)
+    want = full_path(cpu_kernels, x, packed)
     assert tokens.tolist() == want.tolist()
     assert (tiles >= 1).all() and (tiles <= TILES).all()
 
 
-def test_near_ties_depend_on_the_summation_order(kernels):
+def test_near_ties_depend_on_the_summation_order(cpu_kernels):
     """The planted near-ties are real: fd_f32_linear's one-chain (batch 8) and two-chain
     (batch 1) orders pick different tokens for some rows, so a kernel that recomputed a tile
     with the other order would fail test_tokens_equal_the_full_path."""
     differ = 0
     for seed in range(6):
         x, packed = case(seed, 8, 70)
-        batch8 = full_path(kernels, x, packed)
-        alone = np.array([full_path(kernels, x[r : r + 1], packed)[0] for r in range(8)])
+        batch8 = full_path(cpu_kernels, x, packed)
+        alone = np.array([full_path(cpu_kernels, x[r : r + 1], packed)[0] for r in range(8)])
         differ += int((batch8 != alone).sum())
-        state = kernels.fd_greedy_head_prepare(packed)
-        assert greedy(kernels, x, packed, state)[0].tolist() == batch8.tolist()
-        assert [greedy(kernels, x[r : r + 1], packed, state)[0][0] for r in range(8)] == alone.tolist()
+        state = cpu_kernels.fd_greedy_head_prepare(packed)
+        assert greedy(cpu_kernels, x, packed, state)[0].tolist() == batch8.tolist()
+        assert [greedy(cpu_kernels, x[r : r + 1], packed, state)[0][0] for r in range(8)] == alone.tolist()
     assert differ > 0, "no planted near-tie depends on the summation order: the data cannot catch a wrong order"
 
 
-def test_screen_recomputes_few_tiles(kernels):
+def test_screen_recomputes_few_tiles(cpu_kernels):
     """On a peaked distribution the screen leaves a few tiles of 37 (else the kernel is only exact, not fast)."""
     rng = np.random.default_rng(5)
     K = 64
     w = (rng.standard_normal((K, V)) / np.sqrt(K)).astype(np.float32)
     x = (w[:, rng.integers(V, size=8)].T * 6.0).astype(np.float32)  # each row points at one column
     packed = pack_column_tiles(paddle.to_tensor(w))
-    tokens, tiles = greedy(kernels, x, packed, kernels.fd_greedy_head_prepare(packed))
-    assert tokens.tolist() == full_path(kernels, x, packed).tolist()
+    tokens, tiles = greedy(cpu_kernels, x, packed, cpu_kernels.fd_greedy_head_prepare(packed))
+    assert tokens.tolist() == full_path(cpu_kernels, x, packed).tolist()
     if has_avx512_vnni():
         assert tiles.max() <= 3, tiles
 
 
-def test_non_finite_zero_tiny_and_huge_rows(kernels):
+def test_non_finite_zero_tiny_and_huge_rows(cpu_kernels):
     x, packed = case(7, 9, 70)
     x[1, 3] = np.nan
     x[2, 5] = np.inf
@@ -113,15 +106,15 @@ def test_non_finite_zero_tiny_and_huge_rows(kernels):
     x[6] *= np.float32(1e-37)  # products underflow: the bound's absolute term
     x[7] *= np.float32(1e28)  # large but safely finite: screened as usual
     x[8] *= np.float32(1e37)  # logits could overflow: the whole row
-    state = kernels.fd_greedy_head_prepare(packed)
-    tokens, tiles = greedy(kernels, x, packed, state)
-    assert tokens.tolist() == full_path(kernels, x, packed).tolist()
+    state = cpu_kernels.fd_greedy_head_prepare(packed)
+    tokens, tiles = greedy(cpu_kernels, x, packed, state)
+    assert tokens.tolist() == full_path(cpu_kernels, x, packed).tolist()
     assert tiles[1:6].tolist() == [TILES] * 5
     assert tiles[8] == TILES
     assert tokens[4] == 0
 
 
-def test_flat_head_falls_back_to_the_whole_row(kernels):
+def test_flat_head_falls_back_to_the_whole_row(cpu_kernels):
     """Columns that differ by ~1e-6 of their size: every tile is a candidate, the row is recomputed whole."""
     rng = np.random.default_rng(11)
     K = 64
@@ -129,20 +122,20 @@ def test_flat_head_falls_back_to_the_whole_row(kernels):
     w = (base + 1e-6 * rng.standard_normal((K, V))).astype(np.float32)
     x = rng.standard_normal((3, K)).astype(np.float32)
     packed = pack_column_tiles(paddle.to_tensor(w))
-    tokens, tiles = greedy(kernels, x, packed, kernels.fd_greedy_head_prepare(packed))
-    assert tokens.tolist() == full_path(kernels, x, packed).tolist()
+    tokens, tiles = greedy(cpu_kernels, x, packed, cpu_kernels.fd_greedy_head_prepare(packed))
+    assert tokens.tolist() == full_path(cpu_kernels, x, packed).tolist()
     if has_avx512_vnni():
         assert tiles.tolist() == [TILES] * 3
 
 
-def test_wrong_screen_is_refused(kernels):
+def test_wrong_screen_is_refused(cpu_kernels):
     x, packed = case(1, 2, 64)
     _, other = case(1, 2, 70)
     with pytest.raises(Exception, match="screen must be fd_greedy_head_prepare"):
-        kernels.fd_greedy_head(paddle.to_tensor(x), packed, *kernels.fd_greedy_head_prepare(other))
+        cpu_kernels.fd_greedy_head(paddle.to_tensor(x), packed, *cpu_kernels.fd_greedy_head_prepare(other))
 
 
-def test_cpu_ops_greedy_lm_head_is_its_linear_and_argmax(kernels):
+def test_cpu_ops_greedy_lm_head_is_its_linear_and_argmax(cpu_kernels):
     ops = CpuOps()
     x, _ = case(3, 16, 70)
     w = head_with_ties(np.random.default_rng(3), x, 70)
@@ -160,7 +153,7 @@ def test_cpu_ops_greedy_lm_head_is_its_linear_and_argmax(kernels):
     assert ref.greedy_lm_head(hidden, plain).tolist() == ref.argmax_rows(ref.linear(hidden, plain)).tolist()
 
 
-def test_cpu_ops_prepares_no_screen_for_a_non_finite_head(kernels):
+def test_cpu_ops_prepares_no_screen_for_a_non_finite_head(cpu_kernels):
     ops = CpuOps()
     w = np.ones((64, 64), np.float32)
     w[3, 7] = np.nan

@@ -17,8 +17,8 @@ from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from fastdeploy_core.loader import load_model_weights, resolve_model_source
-from tests.models.paged_harness import PagedHarness
-from tests.models.reference import hf_greedy
+from fastdeploy_core.testing.paged_harness import PagedHarness
+from tests.support.reference import hf_greedy
 
 BASE = dict(
     vocab_size=97,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import zmq
 
-from tests.serving.conftest import free_port, start_server
+from tests.entrypoints.openai.conftest import free_port, start_server
 
 
 class _TouchMarker:

@@ -7,8 +7,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import numpy as np
 import pytest
 
-from tests.models.paged_harness import PagedHarness
-from tests.models.reference import NUM_GREEDY_TOKENS, paddle_smollm2, transformers_smollm2_reference
+from fastdeploy_core.testing.paged_harness import PagedHarness
+from tests.support.reference import NUM_GREEDY_TOKENS, paddle_smollm2, transformers_smollm2_reference
 
 pytestmark = pytest.mark.slow
 

@@ -17,18 +17,10 @@ import paddle
 import pytest
 
 from fastdeploy_core.devices.reference_ops import ReferenceOps
-from fastdeploy_core.builtin.cpu.kernels import kernel_failure, load_kernels
 from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
 from fastdeploy_core.testing.checks import cos_sin_cache
 
 HEADS, KV_HEADS, D, BS, NB = 9, 3, 64, 8, 40
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = load_kernels()
-    assert module is not None, f"the cpu kernels must build on this machine: {kernel_failure()}"
-    return module
 
 
 def _case(specs, seed=0):
@@ -42,10 +34,10 @@ def _case(specs, seed=0):
     return meta, qkv, caches
 
 
-def _attend(kernels, q, k, v, meta, scale, window):
+def _attend(cpu_kernels, q, k, v, meta, scale, window):
     """``fd_paged_attention`` over the step described by ``meta``."""
     step = (paddle.to_tensor(meta.query_start_loc), paddle.to_tensor(meta.seq_lens), paddle.to_tensor(meta.block_tables))
-    return kernels.fd_paged_attention(q, k, v, *step, scale, window)
+    return cpu_kernels.fd_paged_attention(q, k, v, *step, scale, window)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +46,7 @@ def _attend(kernels, q, k, v, meta, scale, window):
     ids=["decode", "decode_batch", "long_prefill", "mixed"],
 )
 @pytest.mark.parametrize("window", [0, 5])
-def test_kernels_match_the_reference_ops(specs, window, kernels):
+def test_kernels_match_the_reference_ops(specs, window, cpu_kernels):
     meta, qkv, (k0, v0) = _case(specs)
     table = paddle.to_tensor(cos_sin_cache(D, 256).astype(np.float32))
     scale = D**-0.5
@@ -65,17 +57,17 @@ def test_kernels_match_the_reference_ops(specs, window, kernels):
     )
 
     k, v = paddle.to_tensor(k0), paddle.to_tensor(v0)
-    q = kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, k, v, meta.slot_mapping, HEADS, KV_HEADS)
+    q = cpu_kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, k, v, meta.slot_mapping, HEADS, KV_HEADS)
     assert tuple(q.shape) == (qkv.shape[0], HEADS, D)
     np.testing.assert_allclose(k.numpy(), rk.numpy(), rtol=0, atol=1e-5)  # the same slots, rotated keys
     np.testing.assert_array_equal(v.numpy(), rv.numpy())  # values copied as they are
-    out = _attend(kernels, q, k, v, meta, scale, window)
+    out = _attend(cpu_kernels, q, k, v, meta, scale, window)
     np.testing.assert_allclose(out.numpy().reshape(want.shape), want.numpy(), rtol=1e-4, atol=1e-5)
 
     # The fused op the cpu table calls: both steps in one, [T, h * d] out, the same caches.
     fk, fv = paddle.to_tensor(k0), paddle.to_tensor(v0)
     step = (paddle.to_tensor(meta.query_start_loc), paddle.to_tensor(meta.seq_lens), paddle.to_tensor(meta.block_tables))
-    fused = kernels.fd_rope_paged_attention(
+    fused = cpu_kernels.fd_rope_paged_attention(
         paddle.to_tensor(qkv), meta.positions, table, fk, fv, meta.slot_mapping, *step, HEADS, KV_HEADS, scale, window
     )
     assert tuple(fused.shape) == (qkv.shape[0], HEADS * D)
@@ -90,7 +82,7 @@ def test_kernels_match_the_reference_ops(specs, window, kernels):
     ids=["one_long_decode_split_by_head", "two_long_decodes_split", "one_short_decode_inline", "rows_per_token"],
 )
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 32), (2, 1, 128), (6, 2, 24), (4, 4, 16)])
-def test_paged_attention_every_head_size_and_work_split(specs, heads, kv_heads, head_dim, kernels):
+def test_paged_attention_every_head_size_and_work_split(specs, heads, kv_heads, head_dim, cpu_kernels):
     """Head sizes 16/32/64/128 run register-tiled code, others (24) the generic loops; a step with
     few query tokens over thousands of keys gives each kv head its own work item, other steps
     give each token one item over whole cache rows. All must equal the reference."""
@@ -108,25 +100,25 @@ def test_paged_attention_every_head_size_and_work_split(specs, heads, kv_heads, 
         want = ReferenceOps().paged_attention(
             paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), meta, scale, window or None
         )
-        out = _attend(kernels, paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), meta, scale, window)
+        out = _attend(cpu_kernels, paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), meta, scale, window)
         np.testing.assert_allclose(out.numpy().reshape(want.shape), want.numpy(), rtol=1e-4, atol=1e-5)
 
 
-def test_kernels_reject_out_of_range_slots_positions_and_blocks(kernels):
+def test_kernels_reject_out_of_range_slots_positions_and_blocks(cpu_kernels):
     meta, qkv, (k0, v0) = _case([(2, 3)])
     table = paddle.to_tensor(cos_sin_cache(D, 4).astype(np.float32))  # positions 3 and 4: 4 is outside
     k, v = paddle.to_tensor(k0), paddle.to_tensor(v0)
     with pytest.raises(Exception, match="outside the rotary table"):
-        kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, k, v, meta.slot_mapping, HEADS, KV_HEADS)
+        cpu_kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, k, v, meta.slot_mapping, HEADS, KV_HEADS)
     big_table = paddle.to_tensor(cos_sin_cache(D, 64).astype(np.float32))
     bad_slots = paddle.to_tensor(np.array([0, NB * BS], dtype=np.int64))
     with pytest.raises(Exception, match="outside the cache"):
-        kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, big_table, k, v, bad_slots, HEADS, KV_HEADS)
+        cpu_kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, big_table, k, v, bad_slots, HEADS, KV_HEADS)
     tables = np.array(meta.block_tables)
     tables[0, 0] = NB  # one past the last block
     q = paddle.zeros([2, HEADS, D])
     with pytest.raises(Exception, match="outside the cache's"):
-        kernels.fd_paged_attention(
+        cpu_kernels.fd_paged_attention(
             q,
             k,
             v,
@@ -137,7 +129,7 @@ def test_kernels_reject_out_of_range_slots_positions_and_blocks(kernels):
             0,
         )
     with pytest.raises(Exception, match="sliding_window must be >= 0"):
-        kernels.fd_paged_attention(
+        cpu_kernels.fd_paged_attention(
             q,
             k,
             v,
@@ -148,7 +140,7 @@ def test_kernels_reject_out_of_range_slots_positions_and_blocks(kernels):
             -1,
         )
     with pytest.raises(Exception, match="not a multiple"):
-        kernels.fd_paged_attention(
+        cpu_kernels.fd_paged_attention(
             paddle.zeros([2, 4, D]),
             k,
             v,
@@ -160,7 +152,7 @@ def test_kernels_reject_out_of_range_slots_positions_and_blocks(kernels):
         )
 
 
-def test_cpu_ops_declare_ragged_attention_only_with_their_kernels(kernels):
+def test_cpu_ops_declare_ragged_attention_only_with_their_kernels(cpu_kernels):
     """The scheduler mixes prompt chunks and decodes in one step only when attention is ragged:
     the cpu table's kernels are; its int8-KV wrapper (the reference composition) is not."""
     from fastdeploy_core.engine.engine_core import mixes_prefill_and_decode
@@ -174,20 +166,20 @@ def test_cpu_ops_declare_ragged_attention_only_with_their_kernels(kernels):
     assert not mixes_prefill_and_decode(ReferenceOps())
 
 
-def test_norm_and_swiglu_kernels_check_their_inputs(kernels):
+def test_norm_and_swiglu_kernels_check_their_inputs(cpu_kernels):
     x = paddle.ones([2, 8])
     with pytest.raises(Exception, match="weight must have the hidden size 8"):
-        kernels.fd_rms_norm(x, paddle.ones([7]), 1e-6)
+        cpu_kernels.fd_rms_norm(x, paddle.ones([7]), 1e-6)
     with pytest.raises(Exception, match="residual must be float32 shaped like x"):
-        kernels.fd_add_rms_norm(x, paddle.ones([2, 7]), paddle.ones([8]), 1e-6)
+        cpu_kernels.fd_add_rms_norm(x, paddle.ones([2, 7]), paddle.ones([8]), 1e-6)
     with pytest.raises(Exception, match="must hold gate and up halves"):
-        kernels.fd_silu_mul(paddle.ones([2, 7]))
-    out = kernels.fd_silu_mul(paddle.to_tensor(np.array([[0.0, 1.0, 2.0, 3.0]], dtype=np.float32)))
+        cpu_kernels.fd_silu_mul(paddle.ones([2, 7]))
+    out = cpu_kernels.fd_silu_mul(paddle.to_tensor(np.array([[0.0, 1.0, 2.0, 3.0]], dtype=np.float32)))
     np.testing.assert_allclose(out.numpy(), [[0.0 * 2.0, 3.0 / (1.0 + np.exp(-1.0))]], rtol=1e-6)
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 49152), (64, 49152), (5, 15), (3, 17), (2, 1)])
-def test_argmax_kernel_takes_the_first_largest_value_of_each_row(rows, cols, kernels):
+def test_argmax_kernel_takes_the_first_largest_value_of_each_row(rows, cols, cpu_kernels):
     """``fd_argmax`` (greedy sampling) against numpy: planted ties before and after each row's
     maximum, including ties inside one vector lane and across lanes; NaN never wins over a number."""
     rng = np.random.default_rng(rows * 1000 + cols)
@@ -196,13 +188,13 @@ def test_argmax_kernel_takes_the_first_largest_value_of_each_row(rows, cols, ker
     for r in range(rows):
         for at in {int(rng.integers(0, cols)), min(cols - 1, int(top[r]) + 16), max(0, int(top[r]) - 16)}:
             x[r, at] = x[r, top[r]]
-    out = kernels.fd_argmax(paddle.to_tensor(x)).numpy()
+    out = cpu_kernels.fd_argmax(paddle.to_tensor(x)).numpy()
     assert out.dtype == np.int64
     np.testing.assert_array_equal(out, x.argmax(axis=-1))
     if cols > 1:
         y = x.copy()
         y[:, 0] = np.nan  # lane 0 starts at NaN: the row's real maximum must still be found
         want = np.nanargmax(y, axis=-1)
-        np.testing.assert_array_equal(kernels.fd_argmax(paddle.to_tensor(y)).numpy(), want)
+        np.testing.assert_array_equal(cpu_kernels.fd_argmax(paddle.to_tensor(y)).numpy(), want)
     with pytest.raises(Exception, match="float32 logits"):
-        kernels.fd_argmax(paddle.to_tensor(x[0]))
+        cpu_kernels.fd_argmax(paddle.to_tensor(x[0]))

@@ -22,9 +22,9 @@ from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.loader import load_model_weights, resolve_model_source
 from fastdeploy_core.plugins import load_plugins
 from fastdeploy_core.builtin.cpu.ops import CpuOps
-from tests.models.paged_harness import PagedHarness
-from tests.models.reference import hf_greedy
-from tests.models.test_tiny_llama_configs import BASE
+from fastdeploy_core.testing.paged_harness import PagedHarness
+from tests.support.reference import hf_greedy
+from test_llama_tiny_configs import BASE
 
 # The tiny Llama sizes of the Llama config tests, with Mistral's window.
 CONFIG = {**BASE, "max_position_embeddings": 128, "sliding_window": 6, "tie_word_embeddings": False}

@@ -11,7 +11,7 @@ import pytest
 
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.layers.rotary import build_cos_sin_cache, compute_inv_freq, rope_settings
-from tests.models.paged_harness import build_meta
+from fastdeploy_core.testing.paged_harness import build_meta
 
 H, KVH, D = 6, 2, 8
 BLOCK = 4

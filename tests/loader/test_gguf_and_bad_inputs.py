@@ -18,7 +18,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from fastdeploy_core.default_model import default_model_path
 from fastdeploy_core.errors import ModelLoadError, UnsupportedArchitectureError
 from fastdeploy_core.loader import iterate_gguf, iterate_safetensors, load_model_weights, resolve_model_source
-from tests.models.paged_harness import PagedHarness
+from fastdeploy_core.testing.paged_harness import PagedHarness
 
 TINY = dict(
     vocab_size=61,

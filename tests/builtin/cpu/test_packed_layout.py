@@ -75,7 +75,7 @@ CASES = [
 
 @pytest.mark.parametrize("rows", [1, 5, 8, 16, 37])
 @pytest.mark.parametrize("case", CASES, ids=[c[1] for c in CASES])
-def test_quantized_kernels_give_the_same_result_on_packed_storage(case, rows, kernels):
+def test_quantized_kernels_give_the_same_result_on_packed_storage(case, rows, cpu_kernels):
     kind, op_name, method_cls, group = case
     K, N = 576, 224  # 7 tiles of 32; a short last group for 128
     rng = np.random.default_rng(rows)
@@ -91,25 +91,25 @@ def test_quantized_kernels_give_the_same_result_on_packed_storage(case, rows, ke
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 21, 64])
-def test_float32_kernel_matches_matmul_in_both_layouts(rows, kernels):
+def test_float32_kernel_matches_matmul_in_both_layouts(rows, cpu_kernels):
     rng = np.random.default_rng(rows)
     K, N = 200, 96
     w = paddle.to_tensor(gaussian(rng, (K, N)))
     x = paddle.to_tensor(gaussian(rng, (rows, K)))
     want = paddle.matmul(x, w).numpy()
-    row_major = kernels.fd_f32_linear(x, w).numpy()
-    packed = kernels.fd_f32_linear(x, pack_column_tiles(w)).numpy()
+    row_major = cpu_kernels.fd_f32_linear(x, w).numpy()
+    packed = cpu_kernels.fd_f32_linear(x, pack_column_tiles(w)).numpy()
     np.testing.assert_array_equal(packed, row_major)
     np.testing.assert_allclose(packed, want, rtol=1e-5, atol=1e-4)
 
 
-def test_float32_kernel_takes_3d_input_and_rejects_a_wrong_k(kernels):
+def test_float32_kernel_takes_3d_input_and_rejects_a_wrong_k(cpu_kernels):
     rng = np.random.default_rng(3)
     w = pack_column_tiles(paddle.to_tensor(gaussian(rng, (64, 64))))
     x = paddle.to_tensor(gaussian(rng, (2, 3, 64)))
-    assert tuple(kernels.fd_f32_linear(x, w).shape) == (2, 3, 64)
+    assert tuple(cpu_kernels.fd_f32_linear(x, w).shape) == (2, 3, 64)
     with pytest.raises(Exception, match="must equal the weight's K"):
-        kernels.fd_f32_linear(paddle.ones([2, 63]), w)
+        cpu_kernels.fd_f32_linear(paddle.ones([2, 63]), w)
 
 
 def _float_layer(rng, in_size: int, out_size: int, bias: bool) -> tuple[Linear, np.ndarray]:
@@ -121,7 +121,7 @@ def _float_layer(rng, in_size: int, out_size: int, bias: bool) -> tuple[Linear, 
     return layer, checkpoint
 
 
-def test_cpu_ops_pack_float_linear_layers_and_keep_their_output(kernels):
+def test_cpu_ops_pack_float_linear_layers_and_keep_their_output(cpu_kernels):
     rng = np.random.default_rng(7)
     set_current_ops(CpuOps())
     layer, checkpoint = _float_layer(rng, 96, 128, bias=True)
@@ -136,7 +136,7 @@ def test_cpu_ops_pack_float_linear_layers_and_keep_their_output(kernels):
     assert tuple(layer.weight.shape) == (4, 96, 32)
 
 
-def test_widths_that_are_not_whole_tiles_and_other_devices_keep_the_plain_layout(kernels):
+def test_widths_that_are_not_whole_tiles_and_other_devices_keep_the_plain_layout(cpu_kernels):
     rng = np.random.default_rng(8)
     set_current_ops(CpuOps())
     odd, _ = _float_layer(rng, 64, 100, bias=False)
@@ -149,7 +149,7 @@ def test_widths_that_are_not_whole_tiles_and_other_devices_keep_the_plain_layout
 
 
 @pytest.mark.parametrize("quantizer", [WeightOnlyInt8(), WeightOnlyInt4({"group_size": 32}), BlockWiseFP8()])
-def test_quantized_layers_pack_their_weight_storage_and_dequantize_the_same(quantizer, kernels):
+def test_quantized_layers_pack_their_weight_storage_and_dequantize_the_same(quantizer, cpu_kernels):
     rng = np.random.default_rng(9)
     set_current_ops(CpuOps())
     layer = Linear(256, 128, quant_config=quantizer, prefix="model.layers.0.mlp.down_proj")

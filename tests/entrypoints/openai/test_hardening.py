@@ -18,7 +18,7 @@ from fastdeploy_core.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy_core.entrypoints.openai.request_body import MAX_JSON_DEPTH, decode_json, json_depth, parse_body
 from fastdeploy_core.errors import InvalidRequestError
 from fastdeploy_core.tokenizer.chat_template import render_chat_template
-from tests.serving.conftest import API_KEY, free_port, start_server
+from tests.entrypoints.openai.conftest import API_KEY, free_port, start_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 VOCAB = 49152  # SmolLM2-135M-Instruct, the embedded default model

@@ -86,7 +86,7 @@ SHAPES = [
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{k}x{n}-g{g}" for k, n, g in SHAPES])
 @pytest.mark.parametrize("scales", ["GN", "tiled", "tiled-fp16"])
-def test_vnni_kernel_matches_the_weight_only_reference(shape, rows, scales, kernels):
+def test_vnni_kernel_matches_the_weight_only_reference(shape, rows, scales, cpu_kernels):
     K, N, group = shape
     rng = np.random.default_rng(rows * 1000 + K)
     w, scale, offset = _int4(rng, K, N, group)
@@ -101,7 +101,7 @@ def test_vnni_kernel_matches_the_weight_only_reference(shape, rows, scales, kern
         # the tiled (float16) scales hand back to the reference formula unchanged
         plain = CpuOps().unprepare_linear_weight
         np.testing.assert_array_equal(int4_linear_reference(x, w, plain(s), plain(o), group).numpy(), want)
-    got = kernels.fd_int4_linear(x, pack_int4_vnni_tiles(w), s, o, group, False).numpy()
+    got = cpu_kernels.fd_int4_linear(x, pack_int4_vnni_tiles(w), s, o, group, False).numpy()
     assert got.shape == (rows, N)
     # 16-bit activations per block: measured ~2-4e-5 of the largest output; the float kernel ~1e-6.
     assert rel(got, want) <= 6e-5, rel(got, want)
@@ -110,17 +110,17 @@ def test_vnni_kernel_matches_the_weight_only_reference(shape, rows, scales, kern
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
 @pytest.mark.parametrize("zero_point", [False, True], ids=["symmetric", "asymmetric"])
 @pytest.mark.parametrize("group", [32, 128, 48])
-def test_vnni_kernel_with_int8_activations_matches_w4a8(rows, zero_point, group, kernels):
+def test_vnni_kernel_with_int8_activations_matches_w4a8(rows, zero_point, group, cpu_kernels):
     K, N = 576, 224
     rng = np.random.default_rng(rows)
     w, scale, offset = _int4(rng, K, N, group, zero_point)
     x = paddle.to_tensor(gaussian(rng, (rows, K)))
     want = int4_linear_reference(x, w, scale, offset, group, act_int8=True).numpy()
-    got = kernels.fd_int4_linear(x, pack_int4_vnni_tiles(w), scale, offset, group, True).numpy()
+    got = cpu_kernels.fd_int4_linear(x, pack_int4_vnni_tiles(w), scale, offset, group, True).numpy()
     assert rel(got, want) <= 2e-6  # integer products exact, float sums
 
 
-def test_vnni_kernel_keeps_small_activations_next_to_a_large_one(kernels):
+def test_vnni_kernel_keeps_small_activations_next_to_a_large_one(cpu_kernels):
     """Activation outliers (a few channels 100x the rest, as in LLM hidden states) cost only
     their own block of 32 its resolution: the error stays at the 16-bit level."""
     K, N, group = 576, 128, 32
@@ -131,27 +131,27 @@ def test_vnni_kernel_keeps_small_activations_next_to_a_large_one(kernels):
     x[:, 300] *= -150.0
     x = paddle.to_tensor(x)
     want = int4_linear_reference(x, w, scale, offset, group).numpy()
-    got = kernels.fd_int4_linear(x, pack_int4_vnni_tiles(w), scale, offset, group, False).numpy()
+    got = cpu_kernels.fd_int4_linear(x, pack_int4_vnni_tiles(w), scale, offset, group, False).numpy()
     assert rel(got, want) <= 6e-5
 
 
-def test_vnni_kernel_handles_zero_rows_and_checks_shapes(kernels):
+def test_vnni_kernel_handles_zero_rows_and_checks_shapes(cpu_kernels):
     rng = np.random.default_rng(3)
     w, scale, offset = _int4(rng, 64, 32, 32)
     packed = pack_int4_vnni_tiles(w)
     x = paddle.zeros([2, 64])
-    np.testing.assert_array_equal(kernels.fd_int4_linear(x, packed, scale, offset, 32, False).numpy(), 0.0)
-    assert tuple(kernels.fd_int4_linear(paddle.ones([2, 3, 64]), packed, scale, offset, 32, False).shape) == (2, 3, 32)
+    np.testing.assert_array_equal(cpu_kernels.fd_int4_linear(x, packed, scale, offset, 32, False).numpy(), 0.0)
+    assert tuple(cpu_kernels.fd_int4_linear(paddle.ones([2, 3, 64]), packed, scale, offset, 32, False).shape) == (2, 3, 32)
     with pytest.raises(Exception, match="must equal the weight's K"):
-        kernels.fd_int4_linear(paddle.ones([2, 56]), packed, scale, offset, 32, False)
+        cpu_kernels.fd_int4_linear(paddle.ones([2, 56]), packed, scale, offset, 32, False)
     with pytest.raises(Exception, match="groups"):
-        kernels.fd_int4_linear(paddle.ones([2, 64]), packed, scale, offset, 16, False)
+        cpu_kernels.fd_int4_linear(paddle.ones([2, 64]), packed, scale, offset, 16, False)
 
 
 @pytest.mark.parametrize(
     "quantizer", [WeightOnlyInt4({"group_size": 32}), WeightOnlyInt4(), W4A8()], ids=["wint4-g32", "wint4-g128", "w4a8"]
 )
-def test_int4_layers_take_the_vnni_layout_and_keep_their_weights(quantizer, kernels, monkeypatch):
+def test_int4_layers_take_the_vnni_layout_and_keep_their_weights(quantizer, cpu_kernels, monkeypatch):
     monkeypatch.setattr(CpuOps, "int4_vnni_layout", True)  # the layout works on any build
     rng = np.random.default_rng(12)
     set_current_ops(CpuOps())
@@ -173,7 +173,7 @@ def test_int4_layers_take_the_vnni_layout_and_keep_their_weights(quantizer, kern
     assert rel(quantizer.reference_op(x, *quantizer.reference_args(layer)).numpy(), want) <= 1e-6
 
 
-def test_int4_scales_are_stored_as_float16_only_when_that_is_exact(kernels, monkeypatch):
+def test_int4_scales_are_stored_as_float16_only_when_that_is_exact(cpu_kernels, monkeypatch):
     monkeypatch.setattr(CpuOps, "int4_vnni_layout", True)
     set_current_ops(CpuOps())
     rng = np.random.default_rng(14)
@@ -193,7 +193,7 @@ def test_int4_scales_are_stored_as_float16_only_when_that_is_exact(kernels, monk
         assert rel(layer(x).numpy(), want) <= 6e-5
 
 
-def test_int4_keeps_the_float_kernel_layout_without_vnni_or_when_k_is_not_a_multiple_of_8(kernels, monkeypatch):
+def test_int4_keeps_the_float_kernel_layout_without_vnni_or_when_k_is_not_a_multiple_of_8(cpu_kernels, monkeypatch):
     rng = np.random.default_rng(13)
     set_current_ops(CpuOps())
     monkeypatch.setattr(CpuOps, "int4_vnni_layout", False)

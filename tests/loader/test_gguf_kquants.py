@@ -40,9 +40,9 @@ from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from fastdeploy_core.loader import iterate_gguf, load_model_weights, resolve_model_source
-from tests.models.paged_harness import PagedHarness
-from tests.models.reference import hf_greedy
-from tests.models.test_gguf_and_bad_inputs import write_llama_gguf
+from fastdeploy_core.testing.paged_harness import PagedHarness
+from tests.support.reference import hf_greedy
+from tests.loader.test_gguf_and_bad_inputs import write_llama_gguf
 
 QK_K = 256
 Q4_K_BYTES, Q6_K_BYTES = 144, 210

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.serving.conftest import port_is_free, start_server
+from tests.entrypoints.openai.conftest import port_is_free, start_server
 
 pytestmark = pytest.mark.slow
 

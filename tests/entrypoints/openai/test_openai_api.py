@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import API_KEY, SECOND_KEY
+from tests.entrypoints.openai.conftest import API_KEY, SECOND_KEY
 
 pytestmark = pytest.mark.slow
 
