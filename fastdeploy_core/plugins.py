@@ -377,14 +377,18 @@ def _allow_list() -> set[str] | None:
     return {part.strip() for part in raw.split(",") if part.strip()}
 
 
+#: The hook module of the core's own plugin (the cpu device, the built-in quantizers, core commands).
+BUILTIN_PLUGIN_MODULE = "fastdeploy_core.builtin.plugin"
+
+
 def load_plugins() -> PluginManager:
     """Discover, load and register every allowed plugin (a fresh manager each call)."""
     from importlib import metadata
 
-    from fastdeploy_core.builtin import plugin as builtin
-
     manager = PluginManager()
-    manager.add_plugin(builtin, "builtin", CORE_DISTRIBUTION, __version__)
+    # The core's own plugin is loaded by module name, as an entry point is: the plugin machinery
+    # sits below everything a plugin provides and imports none of it.
+    manager.add_plugin(importlib.import_module(BUILTIN_PLUGIN_MODULE), "builtin", CORE_DISTRIBUTION, __version__)
     allowed = _allow_list()
     seen: set[str] = set()
     for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):

@@ -12,6 +12,10 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
+#: Paddle's place string for host memory (``paddle.CPUPlace``): the one place that takes no
+#: device index, and where the conformance kit runs any ops table's host-side code paths.
+HOST_PLACE = "cpu"
+
 #: Environment variable that picks the attention backend when ``--attention-backend`` is not given.
 ATTENTION_BACKEND_ENV = "FD_ATTENTION_BACKEND"
 
@@ -90,7 +94,7 @@ class Device:
     @classmethod
     def paddle_place(cls, index: int = 0) -> str:
         """The string for ``paddle.set_device``, e.g. ``"gpu:0"`` or ``"cpu"``."""
-        return cls.paddle_device_type if cls.paddle_device_type == "cpu" else f"{cls.paddle_device_type}:{index}"
+        return HOST_PLACE if cls.paddle_device_type == HOST_PLACE else f"{cls.paddle_device_type}:{index}"
 
     @classmethod
     def zeros(cls, shape: tuple[int, ...] | list[int], dtype: str):

@@ -164,7 +164,7 @@ class QuantizerBase(LinearMethodBase):
         if self.config.lm_head_quant_type is None:
             return None
         # Built by name through the registry: the base never imports the methods derived from it.
-        from fastdeploy_core.quantization.registry import build_quantizer
+        from fastdeploy_core.quantization.factory import build_quantizer
 
         return build_quantizer(
             self.config.lm_head_quant_type, {"modules_to_not_convert": self.config.modules_to_not_convert}, None

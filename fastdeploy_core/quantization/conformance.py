@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 
 from fastdeploy_core.devices.current import current_ops, set_current_ops
-from fastdeploy_core.quantization.registry import build_quantizer
+from fastdeploy_core.quantization.factory import build_quantizer
 
 OP_RTOL = 1e-4
 

@@ -17,9 +17,9 @@ import numpy as np
 import paddle
 from pydantic import Field, field_validator
 
+from fastdeploy_core.devices.current import current_ops
 from fastdeploy_core.quantization.base import QuantizerBase, QuantizerConfig, add_bias, expand_groups
 from fastdeploy_core.quantization.codes import num_groups
-from fastdeploy_core.devices.current import current_ops
 
 FP8_E4M3_MAX = 448.0
 

@@ -21,6 +21,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from fastdeploy_core.errors import QuantizationError
+from fastdeploy_core.quantization.factory import _registry, build_quantizer
 
 if TYPE_CHECKING:
     from fastdeploy_core.quantization.base import QuantizerBase
@@ -72,43 +73,6 @@ def checkpoint_spec(hf_config: dict | None) -> dict | None:
     name = HF_METHOD_NAMES.get(name, name)
     data.setdefault("is_quantized", True)
     return {"quantization": name, **data, "_from_checkpoint": True}
-
-
-def _registry(plugin_manager):
-    if plugin_manager is None:
-        from fastdeploy_core.plugins import get_plugin_manager
-
-        plugin_manager = get_plugin_manager()
-    return plugin_manager
-
-
-def build_quantizer(name: str, settings: dict, plugin_manager, lenient: bool = False) -> QuantizerBase:
-    """Instantiate the registered method ``name`` with ``settings``.
-
-    ``lenient`` drops settings the method does not declare (a checkpoint's config carries
-    fields such as ``activation_scheme`` we have no use for); user-given settings stay strict.
-    """
-    pm = _registry(plugin_manager)
-    cls = pm.quantizers.get(name)
-    if isinstance(cls, str):
-        from fastdeploy_core.plugins import import_target
-
-        cls = import_target(cls)
-    if cls is None:
-        registered = ", ".join(sorted(pm.quantizers.keys())) or "none"
-        raise QuantizationError(
-            f"unknown quantization method {name!r}; registered methods: {registered} "
-            "(a plugin providing another method must be installed and allowed by FD_PLUGINS)",
-            param="quantization",
-        )
-    if lenient:
-        fields = getattr(cls.config_class, "model_fields", {})
-        settings = {k: v for k, v in settings.items() if k in fields}
-
-    def resolver(part: str, shared: dict | None = None) -> QuantizerBase:
-        return build_quantizer(part, dict(shared or {}), pm, lenient=lenient)
-
-    return cls.from_config(settings, resolver=resolver)
 
 
 def check_device(quantizer: QuantizerBase, device, plugin_manager) -> None:

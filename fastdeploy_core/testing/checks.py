@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
-from fastdeploy_core.devices.base import Device, MemoryInfo
+from fastdeploy_core.devices.base import HOST_PLACE, Device, MemoryInfo
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
 
@@ -92,12 +92,13 @@ def make_target(device: type[Device], ops_class: type | None = None, place: str 
                 "(use --fd-place=cpu to check its ops' CPU code paths)"
             )
         place = device.paddle_place(0)
-    on_device = place.split(":")[0] == device.paddle_device_type and device.paddle_device_type != "cpu"
-    if on_device or device.paddle_device_type == "cpu":
+    host_device = device.paddle_device_type == HOST_PLACE  # the device computes in host memory
+    on_device = place.split(":")[0] == device.paddle_device_type and not host_device
+    if on_device or host_device:
         dtypes = tuple(device.supported_dtypes)
     else:
         dtypes = tuple(d for d in device.supported_dtypes if d == "float32") or ("float32",)
-    return Target(device, ops_class, place, dtypes, on_device or device.paddle_device_type == "cpu")
+    return Target(device, ops_class, place, dtypes, on_device or host_device)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ def check_expected_kernels(target: Target) -> None:
     expected = getattr(target.ops_class, "expected_kernels", ())
     if not expected:
         raise CheckSkipped(f"{target.ops_class.__qualname__} declares no expected_kernels")
-    if not target.on_device or target.device.paddle_device_type == "cpu":
+    if not target.on_device or target.device.paddle_device_type == HOST_PLACE:
         raise CheckSkipped(f"ops run on {target.place}, not on a {target.device.name}: kernels of the chip not checkable")
     with target.placed():
         missing = [
@@ -261,7 +262,7 @@ def _run_op(op, ops, ref, rng, dtype):
     if op == "embedding":
         ids = rng.integers(0, V, size=T).astype(np.int64)
         w = rng.standard_normal((V, H)).astype(f32)
-        with paddle.device.device_guard("cpu"):
+        with paddle.device.device_guard(HOST_PLACE):
             want = ref.embedding(paddle.to_tensor(ids), paddle.to_tensor(w))
         return [_np(ops.embedding(paddle.to_tensor(ids), _to(w, dtype)))], [want.numpy()]
     if op == "linear":
@@ -289,7 +290,7 @@ def _run_op(op, ops, ref, rng, dtype):
         w = (1 + 0.1 * rng.standard_normal(H)).astype(f32)
         n0, s0 = ops.add_rms_norm(_to(x, dtype), None, _to(w, dtype), 1e-6)
         n1, s1 = ops.add_rms_norm(_to(x, dtype), _to(r, dtype), _to(w, dtype), 1e-6)
-        with paddle.device.device_guard("cpu"):
+        with paddle.device.device_guard(HOST_PLACE):
             rn0, rs0 = ref.add_rms_norm(paddle.to_tensor(x), None, paddle.to_tensor(w), 1e-6)
             rn1, rs1 = ref.add_rms_norm(paddle.to_tensor(x), paddle.to_tensor(r), paddle.to_tensor(w), 1e-6)
         return [_np(n0), _np(s0), _np(n1), _np(s1)], [rn0.numpy(), rs0.numpy(), rn1.numpy(), rs1.numpy()]
@@ -305,7 +306,7 @@ def _run_op(op, ops, ref, rng, dtype):
         gq, gk = ops.rotary_embedding(paddle.to_tensor(pos), _to(q, dtype), _to(k, dtype), paddle.to_tensor(cache))
         gq_only, none_k = ops.rotary_embedding(paddle.to_tensor(pos), _to(q, dtype), None, paddle.to_tensor(cache))
         assert none_k is None, "rotary_embedding(k=None) must return None for k"
-        with paddle.device.device_guard("cpu"):
+        with paddle.device.device_guard(HOST_PLACE):
             wq, wk = ref.rotary_embedding(paddle.to_tensor(pos), paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(cache))
         return [_np(gq), _np(gk), _np(gq_only)], [wq.numpy(), wk.numpy(), wq.numpy()]
     if op == "write_kv_cache":
@@ -387,7 +388,7 @@ def head_with_near_ties(rng, x: np.ndarray, cols: int, max_rows: int | None = No
 
 
 def _cpu(fn, *arrays):
-    with paddle.device.device_guard("cpu"):
+    with paddle.device.device_guard(HOST_PLACE):
         args = [paddle.to_tensor(a) if isinstance(a, np.ndarray) else a for a in arrays]
         return fn(*args).numpy()
 
@@ -421,7 +422,7 @@ def check_paged_attention(target: Target, scenario: str, backend: str, dtype: st
     scale = d**-0.5
     window = ATTENTION_WINDOWS.get(scenario)
 
-    with paddle.device.device_guard("cpu"):
+    with paddle.device.device_guard(HOST_PLACE):
         ref = ReferenceOps()
         meta = build_meta(chunks, bs)
         rk, rv = paddle.to_tensor(k_cache), paddle.to_tensor(v_cache)
@@ -453,7 +454,7 @@ def check_rope_paged_attention(target: Target, scenario: str, backend: str, dtyp
     scale = d**-0.5
     args = (heads, kv_heads, scale, ATTENTION_WINDOWS.get(scenario))
 
-    with paddle.device.device_guard("cpu"):
+    with paddle.device.device_guard(HOST_PLACE):
         meta = build_meta(chunks, bs)
         rk, rv = paddle.to_tensor(k_cache), paddle.to_tensor(v_cache)
         want = ReferenceOps().rope_paged_attention(
@@ -560,7 +561,7 @@ def check_generation(target: Target, max_new_tokens: int = 8) -> None:
     there a token may differ only where the reference's top-2 logits are within that dtype's
     tolerance (a near-tie), and the comparison stops at the first such divergence.
     """
-    with paddle.device.device_guard("cpu"):
+    with paddle.device.device_guard(HOST_PLACE):
         ref_model = tiny_llama()
         want, want_logits = greedy_generate(ref_model, ReferenceOps(), E2E_PROMPTS, max_new_tokens, "float32", 4)
     dtype = "float32" if "float32" in target.dtypes else target.dtypes[0]
