@@ -116,7 +116,6 @@ def latency_command(
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
     output_json: str | None = typer.Option(None, "--output-json", help="Also write the results here."),
 ) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
     try:
         engine = _engine(ctx)
     except FastDeployError as exc:
@@ -165,7 +164,6 @@ def throughput_command(
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
     output_json: str | None = typer.Option(None, "--output-json", help="Also write the results here."),
 ) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
     if dataset_name != "random":
         typer.echo(f"error: --dataset-name {dataset_name!r} is not supported; use random", err=True)
         raise typer.Exit(2)

@@ -9,7 +9,6 @@ the command's own options (``--model``, ``--max-model-len 2048``, ``--num-gpu-bl
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import typer
@@ -102,7 +101,6 @@ def generate_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
 ) -> None:
     """Generate completions for a prompt (or a file of prompts) with the in-process engine."""
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
     extra = list(ctx.args)
     if prompt is not None and prompt.startswith("--"):  # click hands an unknown engine flag to PROMPT
         extra.insert(0, prompt)
@@ -171,7 +169,6 @@ def chat_command(
 
     Type a message and Enter; `/reset` forgets the conversation, `/exit` or Ctrl-D quits.
     """
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
     try:
         args = engine_args_from_extra(ctx.args)
         params = _sampling(max_tokens, temperature, top_p, top_k, seed, [])

@@ -8,7 +8,6 @@ through the ``register_commands`` hook.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 
@@ -79,7 +78,6 @@ def _model_serving(manager, model: str, model_impl: str) -> dict:
 
 def paddle_info() -> dict:
     """Paddle's version and build flags, without failing when Paddle is missing."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     try:
         import paddle
     except Exception as exc:  # env must still report the rest

@@ -134,7 +134,6 @@ def serve(
         raise typer.Exit(2) from None
     from fastdeploy_core.entrypoints.openai import api_server
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     try:
         api_server.run_server(engine_args, server, log_level=log_level.lower())
     except FastDeployError as exc:

@@ -52,8 +52,6 @@ def run_engine_core(
     (it is this launch's, from the API process); ``parent_pid`` lets the core exit on its own when the
     API process disappears without a goodbye (SIGKILL), so no core is ever orphaned.
     """
-    # Paddle pins OMP to one thread at import when unset; the engine gets the whole machine.
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(message)s", stream=sys.stderr
     )

@@ -14,10 +14,6 @@ Outputs are :class:`~fastdeploy_core.engine.outputs.RequestOutput`, in the order
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_NUM_THREADS", "2")
-
 import numbers
 from collections.abc import Sequence
 from typing import Any

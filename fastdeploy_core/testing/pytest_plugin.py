@@ -19,7 +19,6 @@ the command line only the kit runs.
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 
 import pytest
@@ -53,7 +52,6 @@ def pytest_configure(config: pytest.Config) -> None:
     name = config.getoption("fd_device", default=None)
     if not name:
         return
-    os.environ.setdefault("OMP_NUM_THREADS", "2")  # before Paddle is imported (it would force 1)
     from fastdeploy_core.plugins import get_plugin_manager
 
     manager = get_plugin_manager()

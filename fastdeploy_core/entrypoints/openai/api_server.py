@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -267,7 +266,6 @@ def run_server(engine_args: EngineArgs, server: ServerConfig, log_level: str = "
     """Serve until SIGINT/SIGTERM; the engine core is stopped before this returns."""
     import uvicorn
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     app = build_app(engine_args, server)
     config = uvicorn.Config(
         app,
