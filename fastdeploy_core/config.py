@@ -10,9 +10,42 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fastdeploy_core.errors import ConfigError
+
+#: Request-level schedulers this engine runs. Only the in-process ``local`` scheduler exists
+#: today; :func:`check_scheduler_name` is the one place that knows it (a registry lookup will
+#: replace it once schedulers register through ``register_schedulers``).
+SCHEDULER_NAMES: tuple[str, ...] = ("local",)
+
+#: The dtype the engine computes in on every device today (weights, activations, KV cache).
+ENGINE_DTYPE = "float32"
+
+
+def check_scheduler_name(name: str) -> str:
+    """``name`` if a scheduler of that name runs here, else ValueError listing the ones that do."""
+    if name not in SCHEDULER_NAMES:
+        raise ValueError(
+            f"got {name!r}; no scheduler of that name is available (available: {', '.join(SCHEDULER_NAMES)}); "
+            "use --scheduler-name local or drop the flag"
+        )
+    return name
+
+
+def check_dtype(dtype: str, device_name: str, device_dtypes: tuple[str, ...]) -> None:
+    """Refuse a ``dtype`` the engine would not compute in on this device (ConfigError naming the
+    device's dtypes). Asked by the model runner once the device is chosen, since the answer
+    depends on the device; every entry point builds its engine through that runner."""
+    if dtype in ("auto", ENGINE_DTYPE):
+        return
+    if dtype not in device_dtypes:
+        why = f"device {device_name} does not support it (its dtypes: {', '.join(device_dtypes)})"
+    else:
+        why = f"the engine computes in {ENGINE_DTYPE} on every device for now, so {dtype} would not be used"
+    raise ConfigError(
+        f"dtype: {dtype} is not supported: {why}; use --dtype {ENGINE_DTYPE} or auto", param="dtype"
+    )
 
 
 class _Section(BaseModel):
@@ -37,9 +70,22 @@ class CacheConfig(_Section):
     block_size: int = Field(64, ge=1, le=1024)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     num_gpu_blocks_override: int | None = Field(None, ge=1)
-    kv_cache_ratio: float = Field(0.75, gt=0.0, le=1.0)
+    kv_cache_ratio: float | None = Field(None, description="FastDeploy's prefill/decode block split: refused")
     enable_prefix_caching: bool = True
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
+
+    @field_validator("kv_cache_ratio")
+    @classmethod
+    def _no_kv_cache_ratio(cls, value: float | None) -> None:
+        # Accepting it would be a lie: FastDeploy splits GPU KV blocks between prefill and
+        # decode with it, while this engine's scheduler shares one block pool.
+        if value is not None:
+            raise ValueError(
+                f"got {value!r}; kv_cache_ratio is not supported: this engine's scheduler shares one KV block "
+                "pool between prefill and decode, so there is nothing to split; drop the flag and size the cache "
+                "with --gpu-memory-utilization or --num-gpu-blocks-override"
+            )
+        return None
 
 
 class SchedulerConfig(_Section):
@@ -51,6 +97,11 @@ class SchedulerConfig(_Section):
     policy: Literal["fcfs", "priority"] = "fcfs"
     scheduler_name: str = "local"
 
+    @field_validator("scheduler_name")
+    @classmethod
+    def _known_scheduler(cls, value: str) -> str:
+        return check_scheduler_name(value)
+
 
 class ParallelConfig(_Section):
     """Tensor parallelism and device choice."""
@@ -58,6 +109,16 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     device: str = "auto"
     attention_backend: str | None = None
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _one_device(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                f"got {value}; tensor parallelism is not supported yet (one device runs the whole model); "
+                "use --tensor-parallel-size 1 or drop the flag"
+            )
+        return value
 
 
 class QuantizationConfig(_Section):
@@ -90,6 +151,17 @@ class SpeculativeConfig(_Section):
 
     method: Literal["ngram", "mtp"] | None = None
     num_speculative_tokens: int = Field(1, ge=1, le=16)
+
+    @model_validator(mode="after")
+    def _not_yet(self) -> "SpeculativeConfig":
+        # Refused by value, not by presence: EngineArgs.flat() carries the defaults (method None)
+        # to the engine-core process, which must accept them.
+        if self.method is not None or self.num_speculative_tokens != 1:
+            raise ValueError(
+                "speculative_config is not supported yet: speculative decoding is not implemented; "
+                "drop --speculative-config"
+            )
+        return self
 
 
 class GraphOptConfig(_Section):
@@ -217,6 +289,10 @@ class EngineArgs(_Section):
         return out
 
 
+#: Sections set as one JSON object by a flag of their own.
+_JSON_FLAGS = {"speculative": "speculative_config", "graph_opt": "graph_optimization_config"}
+
+
 def validate_model(cls: type[BaseModel], data: dict[str, Any]) -> BaseModel:
     """Build ``cls`` from ``data``; pydantic errors become one ConfigError with every problem."""
     try:
@@ -229,6 +305,8 @@ def _field_name(loc: tuple, flat: bool) -> str:
     parts = [str(p) for p in loc]
     if flat and len(parts) > 1:
         parts = parts[1:]  # drop the section: users wrote the flat flag name
+    elif flat and parts and parts[0] in _JSON_FLAGS:
+        parts = [_JSON_FLAGS[parts[0]]]  # a whole section set by one JSON flag: name the flag
     return ".".join(parts) or "(config)"
 
 

@@ -20,14 +20,7 @@ logger = logging.getLogger("fastdeploy.serve")
 SERVER_KEYS = ("host", "port", "metrics_port", "engine_worker_queue_port", "api_key", "max_concurrency",
                "max_waiting_time", "max_request_body_bytes", "protect_metrics", "trust_request_chat_template")
 
-#: Flags accepted so FastDeploy command lines keep working, but that change nothing here (why).
-NO_EFFECT_FLAGS: dict[str, str] = {
-    "kv_cache_ratio": "FastDeploy splits GPU KV blocks between prefill and decode with it; "
-    "this engine's scheduler shares one block pool",
-    "tensor_parallel_size": "tensor parallelism is not implemented in this engine yet; one device runs the whole model",
-}
-
-_NO_EFFECT_HELP = "Accepted for compatibility with FastDeploy; has no effect here."
+_REFUSED_HELP = "Accepted by FastDeploy; refused here with an error saying why."
 
 
 def load_preset(path: str) -> dict[str, Any]:
@@ -62,9 +55,6 @@ def build_configs(preset: dict[str, Any], flags: dict[str, Any]):
         raise ConfigError("--protect-metrics puts /metrics behind the API key, but no key is set; add --api-key "
                           "(or env FD_API_KEY)", param="protect_metrics")
     engine = EngineArgs.create(**merged)
-    for key, why in NO_EFFECT_FLAGS.items():
-        if key in merged:
-            logger.warning("--%s is accepted for compatibility but has no effect here: %s", key.replace("_", "-"), why)
     return engine, server
 
 
@@ -82,12 +72,13 @@ def serve(
     block_size: int | None = typer.Option(None, "--block-size", help="Tokens per KV-cache block (default: 64)."),
     gpu_memory_utilization: float | None = typer.Option(None, "--gpu-memory-utilization", help="Fraction of device memory for weights + KV cache (of RAM on CPU)."),
     num_gpu_blocks_override: int | None = typer.Option(None, "--num-gpu-blocks-override", help="Exact number of KV-cache blocks."),
-    kv_cache_ratio: float | None = typer.Option(None, "--kv-cache-ratio", help=_NO_EFFECT_HELP),
-    tensor_parallel_size: int | None = typer.Option(None, "--tensor-parallel-size", help=_NO_EFFECT_HELP + " Tensor parallelism is not implemented yet."),
+    kv_cache_ratio: float | None = typer.Option(None, "--kv-cache-ratio", help=_REFUSED_HELP + " One KV block pool serves prefill and decode."),
+    tensor_parallel_size: int | None = typer.Option(None, "--tensor-parallel-size", help="Devices to split the model over; only 1 (tensor parallelism is not implemented yet)."),
     model_impl: str | None = typer.Option(None, "--model-impl", help="auto | fastdeploy | paddleformers."),
     quantization: str | None = typer.Option(None, "--quantization", help="Quantization method name or FastDeploy JSON."),
     enable_prefix_caching: bool | None = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes (default: on)."),
     enable_chunked_prefill: bool | None = typer.Option(None, "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts over several steps (default: on)."),
+    policy: str | None = typer.Option(None, "--policy", help="fcfs (arrival order, default) | priority (a request's \"priority\" field, lower first)."),
     device: str | None = typer.Option(None, "--device", help="Device name or auto."),
     use_cudagraph: bool | None = typer.Option(None, "--use-cudagraph/--no-use-cudagraph", help="Capture decode steps and replay them (default: on; on cpu the kernel calls are replayed from C++)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Never capture: run every step's Python forward (vLLM's flag)."),
@@ -116,7 +107,7 @@ def serve(
         "gpu_memory_utilization": gpu_memory_utilization, "num_gpu_blocks_override": num_gpu_blocks_override,
         "kv_cache_ratio": kv_cache_ratio, "tensor_parallel_size": tensor_parallel_size, "model_impl": model_impl,
         "quantization": quantization, "enable_prefix_caching": enable_prefix_caching,
-        "enable_chunked_prefill": enable_chunked_prefill, "device": device, "api_key": api_key or None,
+        "enable_chunked_prefill": enable_chunked_prefill, "policy": policy, "device": device, "api_key": api_key or None,
         "use_cudagraph": use_cudagraph, "enforce_eager": enforce_eager or None,
         "graph_optimization_config": graph_optimization_config,
         "max_concurrency": max_concurrency, "max_waiting_time": max_waiting_time,

@@ -26,7 +26,7 @@ import logging
 import numpy as np
 import paddle
 
-from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.config import EngineArgs, check_dtype
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.errors import ConfigError, ModelLoadError, OutOfKVCacheError
 from fastdeploy_core.executor.forward_meta import ForwardMeta
@@ -60,6 +60,7 @@ class ModelRunner:
         self.args = args
         pm = plugin_manager or load_plugins()
         self.device_cls = pm.select_device(args.parallel.device)
+        check_dtype(args.model.dtype, self.device_cls.name, tuple(self.device_cls.supported_dtypes))
         paddle.set_device(self.device_cls.paddle_place())
         self.ops = self.device_cls.make_ops(args.parallel.attention_backend)
         set_current_ops(self.ops)

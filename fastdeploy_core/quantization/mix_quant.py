@@ -20,7 +20,7 @@ class MixQuantConfig(QuantizerConfig):
     dense_quant_type: str | None = Field(None, description="method for dense linear layers; None keeps them float32")
     moe_quant_type: str | None = Field(None, description="method for MoE expert layers; default: dense_quant_type")
     image_moe_quant_type: str | None = Field(
-        None, description="accepted for FastDeploy compatibility; same as moe_quant_type here"
+        None, description="FastDeploy's method for a vision tower's experts; refused: no multimodal model runs here"
     )
 
 
@@ -41,6 +41,14 @@ class MixQuant(QuantizerBase):
         if config.dense_quant_type is None and config.moe_quant_type is None and config.kv_cache_quant_type is None:
             raise QuantizationError(
                 "mix_quant needs at least one of dense_quant_type, moe_quant_type, kv_cache_quant_type",
+                param="quantization",
+            )
+        if config.image_moe_quant_type is not None:
+            # Nothing would apply it: no model served here has image experts.
+            raise QuantizationError(
+                f"mix_quant: image_moe_quant_type ({config.image_moe_quant_type!r}) is not supported: no model "
+                "served here has image MoE experts, so it would never be applied; drop it (moe_quant_type "
+                "quantizes the MoE experts)",
                 param="quantization",
             )
         if resolver is None:

@@ -87,6 +87,7 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
             generation_config=source.generation_config,
             accepted_model_names={engine_args.model.model} if engine_args.model.model else set(),
             trust_request_chat_template=server.trust_request_chat_template,
+            policy=engine_args.scheduler.policy,
         )
         holder["state"] = state
         metrics_server = None

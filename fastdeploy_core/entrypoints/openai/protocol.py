@@ -107,6 +107,8 @@ class _SamplingFields(OpenAIBaseModel):
     ignore_eos: bool = False
     return_token_ids: bool = False
     request_id: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM / FastDeploy extra: lower runs first when the server was started with --policy priority
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingFields:
@@ -124,15 +126,13 @@ class _SamplingFields(OpenAIBaseModel):
                     f"stop: a stop string has {len(s)} characters; at most {MAX_STOP_STRING_CHARS} are allowed",
                     param="stop",
                 )
-        if self.response_format is not None and self.response_format.type == "json_schema":
+        if self.response_format is not None and self.response_format.type != "text":
+            # Accepting it without constraining the output would hand clients text they parse as JSON.
             raise InvalidRequestError(
-                'response_format type "json_schema" is not supported yet; use "text" or "json_object"',
+                f'response_format type "{self.response_format.type}" is not supported: structured output is not '
+                'implemented yet; use "text" (or omit response_format) and validate the JSON yourself',
                 param="response_format",
             )
-        if (self.response_format is not None and self.response_format.type == "json_object"
-                and "response_format.json_object" not in _warned_unknown_fields):
-            _warned_unknown_fields.add("response_format.json_object")
-            logger.warning('response_format "json_object" is accepted, but output is not constrained to JSON yet')
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
         if self.logit_bias:
@@ -155,6 +155,10 @@ class _SamplingFields(OpenAIBaseModel):
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def usage_in_every_chunk(self) -> bool:
+        """``stream_options.continuous_usage_stats``: each content chunk carries the usage so far."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 # --- chat -----------------------------------------------------------------------------------

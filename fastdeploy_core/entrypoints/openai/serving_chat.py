@@ -67,6 +67,7 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     arrival = time.time()
     state.check_engine()
     state.check_model(req.model)
+    state.check_priority(req.priority)
     prompt, prompt_ids, params = await state.off_loop(_prepare, state, req)
     top_n = req.top_logprobs or 0
     request_id = state.new_request_id("chatcmpl", req.request_id)
@@ -81,7 +82,7 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
 
     try:
         final = None
-        async for _, out in state.stream_outputs(raw, jobs, arrival):
+        async for _, out in state.stream_outputs(raw, jobs, arrival, priority=req.priority):
             final = out
     finally:
         lease.release()
@@ -131,17 +132,24 @@ async def _stream(
     request_id, _, prompt_ids, _ = jobs[0]
     created = int(arrival)
     include_usage = req.include_usage_in_stream()
+    continuous_usage = req.usage_in_every_chunk()
+    final = None
 
     def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
-        return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices))
+        usage = None
+        if continuous_usage:  # the usage so far, in every chunk
+            completion_tokens = sum(len(c.token_ids) for c in final.outputs) if final is not None else 0
+            usage = usage_for(len(prompt_ids), completion_tokens, final.num_cached_tokens if final is not None else 0)
+        return sse(
+            ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        )
 
     for i in range(req.n):
         yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
 
-    final = None
     sent_ids = False
     done: set[int] = set()
-    async for _, out in state.stream_outputs(raw, jobs, arrival):
+    async for _, out in state.stream_outputs(raw, jobs, arrival, priority=req.priority):
         final = out
         choices = []
         for c in out.outputs:

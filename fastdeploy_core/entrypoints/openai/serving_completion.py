@@ -59,6 +59,7 @@ async def create_completion(state: ServingState, req: CompletionRequest, raw: Re
     arrival = time.time()
     state.check_engine()
     state.check_model(req.model)
+    state.check_priority(req.priority)
     prompts, params = await state.off_loop(_prepare, state, req)
     top_n = req.logprobs or 0
     base_id = state.new_request_id("cmpl", req.request_id)
@@ -76,7 +77,7 @@ async def create_completion(state: ServingState, req: CompletionRequest, raw: Re
 
     finals: dict[int, Any] = {}
     try:
-        async for k, out in state.stream_outputs(raw, jobs, arrival):
+        async for k, out in state.stream_outputs(raw, jobs, arrival, priority=req.priority):
             finals[k] = out
     finally:
         lease.release()
@@ -126,8 +127,17 @@ async def _stream(
     top_n: int,
 ) -> AsyncIterator[str]:
     created = int(arrival)
+    finals: dict[int, Any] = {}
+
+    def usage_so_far():
+        prompt_tokens = sum(len(j[2]) for j in jobs)
+        completion_tokens = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
+        cached = sum(out.num_cached_tokens for out in finals.values())
+        return usage_for(prompt_tokens, completion_tokens, cached)
 
     def chunk(choices: list[CompletionChoice], usage=None) -> str:
+        if usage is None and req.usage_in_every_chunk():
+            usage = usage_so_far()
         return sse(CompletionStreamResponse(id=base_id, created=created, model=model, choices=choices, usage=usage))
 
     offsets: dict[int, int] = {}
@@ -137,9 +147,8 @@ async def _stream(
                 offsets[k * req.n + i] = len(job[1])
                 yield chunk([CompletionChoice(index=k * req.n + i, text=job[1])])
 
-    finals: dict[int, Any] = {}
     done: set[int] = set()
-    async for k, out in state.stream_outputs(raw, jobs, arrival):
+    async for k, out in state.stream_outputs(raw, jobs, arrival, priority=req.priority):
         finals[k] = out
         choices = []
         for c in out.outputs:
@@ -169,8 +178,5 @@ async def _stream(
     for out in finals.values():
         state.record(out, arrival, admitted, success=True)
     if req.include_usage_in_stream():
-        prompt_tokens = sum(len(j[2]) for j in jobs)
-        completion_tokens = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
-        cached = sum(out.num_cached_tokens for out in finals.values())
-        yield chunk([], usage=usage_for(prompt_tokens, completion_tokens, cached))
+        yield chunk([], usage=usage_so_far())
     yield SSE_DONE

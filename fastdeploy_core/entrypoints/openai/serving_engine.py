@@ -212,6 +212,7 @@ class ServingState:
     generation_config: dict[str, Any] | None = None
     accepted_model_names: set[str] = field(default_factory=set)
     trust_request_chat_template: bool = False
+    policy: str = "fcfs"
     _longest_token: int = field(default=64, init=False)
 
     def __post_init__(self) -> None:
@@ -263,6 +264,15 @@ class ServingState:
                 "allow them with --trust-request-chat-template",
                 param="chat_template",
                 code="chat_template_not_allowed",
+            )
+
+    def check_priority(self, priority: int) -> None:
+        """A priority only orders requests under ``--policy priority``; elsewhere it would be ignored."""
+        if priority != 0 and self.policy != "priority":
+            raise InvalidRequestError(
+                f"priority: got {priority}, but this server schedules {self.policy} (arrival order), so a "
+                "priority would be ignored; send 0 or omit it, or start the server with --policy priority",
+                param="priority",
             )
 
     def check_model(self, name: str | None) -> None:
@@ -352,15 +362,18 @@ class ServingState:
         raw_request: Request | None,
         jobs: list[tuple[str, str | None, list[int], SamplingParams]],
         arrival: float,
+        priority: int = 0,
     ) -> AsyncIterator[tuple[int, Any]]:
-        """Run ``jobs`` (request_id, prompt, prompt ids, params) in the engine; yield
-        ``(job_index, RequestOutput)`` as they come. A client disconnect aborts every job."""
+        """Run ``jobs`` (request_id, prompt, prompt ids, params) in the engine at ``priority`` (lower
+        runs first under ``--policy priority``); yield ``(job_index, RequestOutput)`` as they come.
+        A client disconnect aborts every job."""
         queue: asyncio.Queue = asyncio.Queue()
         end, gone = object(), object()
 
         async def pump(k: int, rid: str, prompt: str | None, ids: list[int], params: SamplingParams) -> None:
             try:
-                async for out in self.engine.generate(rid, prompt, ids, params, arrival_time=arrival):
+                async for out in self.engine.generate(rid, prompt, ids, params, arrival_time=arrival,
+                                                     priority=priority):
                     queue.put_nowait((k, out))
                 queue.put_nowait((k, end))
             except asyncio.CancelledError:

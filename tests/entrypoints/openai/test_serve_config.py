@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import pytest
+import yaml
 
 from fastdeploy_core.cli.serve import build_configs, load_preset
 from fastdeploy_core.entrypoints.openai.auth import APIKeyChecker, collect_api_keys
@@ -55,10 +55,26 @@ def test_api_keys_from_flags_and_env(monkeypatch):
     APIKeyChecker([]).check(None)  # no keys configured: open
 
 
-def test_no_effect_flag_is_logged(caplog):
-    with caplog.at_level(logging.WARNING, logger="fastdeploy.serve"):
-        build_configs({}, {"kv_cache_ratio": 0.5})
-    assert "--kv-cache-ratio is accepted for compatibility but has no effect" in caplog.text
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("kv_cache_ratio", 0.5, "kv_cache_ratio: got 0.5; kv_cache_ratio is not supported"),
+        ("tensor_parallel_size", 2, "tensor_parallel_size: got 2; tensor parallelism is not supported yet"),
+        ("scheduler_name", "global", "scheduler_name: got 'global'; no scheduler of that name is available "
+                                     "(available: local)"),
+        ("speculative_config", {"method": "ngram"}, "speculative_config: speculative_config is not supported yet"),
+    ],
+)
+def test_options_that_would_do_nothing_are_refused_from_flags_and_presets(tmp_path, key, value, says):
+    """Refused the same way whether given as a flag or in a --config preset (no warning-and-run)."""
+    with pytest.raises(ConfigError) as flag:
+        build_configs({}, {key: value})
+    assert says in flag.value.message
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(yaml.safe_dump({key.replace("_", "-"): value}))
+    with pytest.raises(ConfigError) as from_preset:
+        build_configs(load_preset(str(preset)), {})
+    assert from_preset.value.message == flag.value.message
 
 
 def test_admission_429_past_concurrency_and_503_after_waiting():
