@@ -1,0 +1,147 @@
+"""Every configuration field is either read by the code it configures or refused.
+
+An option that is validated and then read by nothing lies to its user. The table below names,
+for each field of every pydantic section in ``fastdeploy_core/config.py``, where it is read (a
+module and the exact attribute access found there) or the value that is refused. The table must
+cover exactly the sections' fields: a new field added without handling fails
+``test_the_table_covers_exactly_the_config_fields`` until it is read somewhere or refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fastdeploy_core.builtin.cpu.device import CpuDevice
+from fastdeploy_core.config import EngineArgs, ServerConfig, check_dtype
+from fastdeploy_core.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2] / "fastdeploy_core"
+
+RUNNER = "executor/model_runner.py"
+CORE = "engine/engine_core.py"
+SERVER = "entrypoints/openai/api_server.py"
+SERVE = "cli/serve.py"
+CONFIG = "config.py"
+
+
+def read(module: str, *accesses: str) -> tuple[str, str, tuple[str, ...]]:
+    """The field is read in ``module`` by each of ``accesses`` (source text that must be there)."""
+    return ("read", module, accesses)
+
+
+def refused(value, says: str, param: str | None = None) -> tuple[str, object, str, str | None]:
+    """Setting the field to ``value`` raises ConfigError whose message holds ``says``."""
+    return ("refused", value, says, param)
+
+
+#: (section, field) -> how it is honoured. Sections are EngineArgs' attributes plus "server".
+FIELDS: dict[tuple[str, str], tuple] = {
+    ("model", "model"): read(RUNNER, "resolve_model_source(args.model.model)"),
+    ("model", "served_model_name"): read(SERVER, "engine_args.model.served_model_name"),
+    ("model", "model_impl"): read(RUNNER, "self.args.model.model_impl"),
+    # float32 / auto run; anything else is refused by the runner once the device is known.
+    ("model", "dtype"): read(RUNNER, "check_dtype(args.model.dtype, self.device_cls.name"),
+    ("model", "max_model_len"): read(RUNNER, "self.max_model_len = args.model.max_model_len"),
+    ("model", "chat_template"): read(SERVER, "chat_template=engine_args.model.chat_template"),
+    ("model", "seed"): read(CORE, "np.random.SeedSequence(args.model.seed)"),
+    ("cache", "block_size"): read(RUNNER, "self.block_size = args.cache.block_size"),
+    ("cache", "gpu_memory_utilization"): read(RUNNER, "cache.gpu_memory_utilization"),
+    ("cache", "num_gpu_blocks_override"): read(RUNNER, "num_blocks = cache.num_gpu_blocks_override"),
+    ("cache", "kv_cache_ratio"): refused(0.5, "kv_cache_ratio is not supported"),
+    ("cache", "enable_prefix_caching"): read(CORE, "args.cache.enable_prefix_caching"),
+    ("cache", "kv_cache_dtype"): read(RUNNER, 'args.cache.kv_cache_dtype == "int8"'),
+    ("scheduler", "max_num_seqs"): read(CORE, "max_num_seqs=args.scheduler.max_num_seqs"),
+    ("scheduler", "max_num_batched_tokens"): read(RUNNER, "return args.scheduler.max_num_batched_tokens"),
+    ("scheduler", "enable_chunked_prefill"): read(CORE, "enable_chunked_prefill=args.scheduler.enable_chunked_prefill"),
+    ("scheduler", "policy"): read(CORE, "policy=args.scheduler.policy"),
+    # "local" (the in-process scheduler, the only one) runs; every other name is refused.
+    ("scheduler", "scheduler_name"): refused("global", "no scheduler of that name is available (available: local)"),
+    # 1 (one device, what runs) is accepted; more is refused.
+    ("parallel", "tensor_parallel_size"): refused(2, "tensor parallelism is not supported yet"),
+    ("parallel", "device"): read(RUNNER, "pm.select_device(args.parallel.device)"),
+    ("parallel", "attention_backend"): read(RUNNER, "make_ops(args.parallel.attention_backend)"),
+    ("quant", "quantization"): read(RUNNER, "args.quant.quantization,"),
+    ("speculative", "method"): refused("ngram", "speculative_config is not supported yet", "speculative_config"),
+    ("speculative", "num_speculative_tokens"): refused(
+        2, "speculative_config is not supported yet", "speculative_config"
+    ),
+    ("graph_opt", "use_cudagraph"): read(CONFIG, "return self.use_cudagraph and not self.enforce_eager"),
+    ("graph_opt", "enforce_eager"): read(CONFIG, "return self.use_cudagraph and not self.enforce_eager"),
+    ("graph_opt", "cudagraph_capture_sizes"): read(RUNNER, "graph_opt.cudagraph_capture_sizes"),
+    ("graph_opt", "graph_opt_level"): refused(1, "graph_opt_level 1: FastDeploy's static-graph (1) and CINN (2) "
+                                                 "levels are not implemented here", "graph_optimization_config"),
+    ("server", "host"): read(SERVER, "server.host"),
+    ("server", "port"): read(SERVER, "server.port"),
+    ("server", "metrics_port"): read(SERVER, "server.metrics_port"),
+    ("server", "engine_worker_queue_port"): read(SERVER, "port=server.engine_worker_queue_port"),
+    ("server", "api_key"): read(SERVER, "APIKeyChecker(server.api_key)"),
+    ("server", "max_concurrency"): read(SERVER, "Admission(server.max_concurrency"),
+    ("server", "max_waiting_time"): read(SERVER, "server.max_waiting_time)"),
+    ("server", "max_request_body_bytes"): read(SERVER, "server.max_request_body_bytes"),
+    ("server", "protect_metrics"): read(SERVER, "if server.protect_metrics"),
+    ("server", "trust_request_chat_template"): read(SERVER, "trust_request_chat_template=server.trust_request_chat_template"),
+}
+
+#: Where the graph_opt section's ``enabled`` (use_cudagraph and enforce_eager together) is read.
+GRAPH_ENABLED_READ = (RUNNER, "if not graph_opt.enabled")
+
+
+def config_fields() -> set[tuple[str, str]]:
+    fields = {
+        (section, name)
+        for section, info in EngineArgs.model_fields.items()
+        for name in info.annotation.model_fields  # type: ignore[union-attr]
+    }
+    return fields | {("server", name) for name in ServerConfig.model_fields}
+
+
+def test_the_table_covers_exactly_the_config_fields():
+    fields = config_fields()
+    missing = sorted(fields - FIELDS.keys())
+    stale = sorted(FIELDS.keys() - fields)
+    assert not missing, f"config fields neither read nor refused (add each to FIELDS): {missing}"
+    assert not stale, f"FIELDS names fields config.py no longer has: {stale}"
+
+
+def source(module: str) -> str:
+    return (ROOT / module).read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("key", [k for k, v in FIELDS.items() if v[0] == "read"], ids="{0[0]}.{0[1]}".format)
+def test_read_fields_are_read_where_the_table_says(key):
+    _, module, accesses = FIELDS[key]
+    text = source(module)
+    for access in accesses:
+        assert access in text, f"{key}: {module} no longer reads it as {access!r}; read it or refuse it"
+    if key[0] == "graph_opt" and module == CONFIG:
+        assert GRAPH_ENABLED_READ[1] in source(GRAPH_ENABLED_READ[0])
+
+
+@pytest.mark.parametrize("key", [k for k, v in FIELDS.items() if v[0] == "refused"], ids="{0[0]}.{0[1]}".format)
+def test_refused_fields_raise_a_config_error_saying_so(key):
+    section, name = key
+    _, value, says, param = FIELDS[key]
+    with pytest.raises(ConfigError) as info:
+        EngineArgs.create(**{name: value})
+    assert says in info.value.message
+    assert info.value.param == (param or name)
+    # The section's default is what runs and is accepted: /config-info shows it, not an effect.
+    EngineArgs.create(**{name: EngineArgs().flat()[name]})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dtype_other_than_float32_is_refused_naming_the_devices_dtypes(dtype):
+    with pytest.raises(ConfigError) as info:
+        check_dtype(dtype, CpuDevice.name, tuple(CpuDevice.supported_dtypes))
+    assert info.value.param == "dtype"
+    assert info.value.message == (
+        f"dtype: {dtype} is not supported: device cpu does not support it (its dtypes: float32); "
+        "use --dtype float32 or auto"
+    )
+    # A device that declares the dtype is still refused: the engine computes in float32 only.
+    with pytest.raises(ConfigError, match="computes in float32 on every device"):
+        check_dtype(dtype, "some-gpu", ("bfloat16", "float16", "float32"))
+    for runs in ("auto", "float32"):
+        check_dtype(runs, CpuDevice.name, tuple(CpuDevice.supported_dtypes))
