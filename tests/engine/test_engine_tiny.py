@@ -405,3 +405,14 @@ def test_two_engines_in_one_process_each_run_their_own_ops(gqa_model):
     float_tokens = tokens(run(float_core, [("f", prompt, greedy())]), "f")
     assert tokens(run(int8_core, [("b", prompt, greedy())]), "b") == alone
     assert tokens(run(float_core, [("g", prompt, greedy())]), "g") == float_tokens
+    # kv_cache_dtype is honoured: the int8 engine's cache holds int8 codes (a quarter of the
+    # float bytes plus scales) and they were written; the float engine's stays float32.
+    from fastdeploy_core.quantization.kv_cache import QuantizedKVCache
+
+    k_int8, k_float = int8_core.runner.kv_caches[0][0], float_core.runner.kv_caches[0][0]
+    assert isinstance(k_int8, QuantizedKVCache) and str(k_int8.data.dtype) == "paddle.int8"
+    assert str(k_float.dtype) == "paddle.float32"
+    assert np.abs(k_int8.data.numpy()).max() > 0
+    assert int8_core.runner.bytes_per_block < float_core.runner.bytes_per_block / 3
+    # int8 rounding this small leaves the greedy tokens of the float cache
+    assert alone == float_tokens

@@ -150,7 +150,6 @@ BARS = {  # measured on this model: wint8 1.0/0.015, w8a8 1.0/0.03, fp8 0.95/0.0
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_tiny_model_generates_with_each_method(tiny_dir, float_run, name):
-    _, sequences, float_lp = float_run
     core = make_core(tiny_dir, quantization=METHODS[name])
     runner = core.runner
     model = runner.model
@@ -165,6 +164,13 @@ def test_tiny_model_generates_with_each_method(tiny_dir, float_run, name):
     tokens = generate(core)
     assert [len(t) for t in tokens] == [MAX_NEW] * len(PROMPTS)
     assert generate(core) == tokens  # deterministic, also with prefix-cache hits the second time
+    assert_within_bars(core, float_run, name)
+
+
+def assert_within_bars(core: EngineCore, float_run, name: str) -> None:
+    """Teacher-forced on the float run's sequences, ``core`` meets ``BARS[name]`` and differs
+    from float32 at all (so the method really ran)."""
+    _, sequences, float_lp = float_run
     quant_lp = teacher_forced(core, sequences)
     agree, diffs = [], []
     for prompt, seq, fl, ql in zip(PROMPTS, sequences, float_lp, quant_lp):
@@ -189,6 +195,7 @@ def test_engine_refuses_an_unknown_method_before_loading(tiny_dir):
     ["wint8", "wint4", json.dumps({"quantization": "block_wise_fp8", "kv_cache_quant_type": "int8"})],
     ids=["wint8", "wint4_from_q4_1_blocks", "fp8_kv_int8"],
 )
+@pytest.mark.slow
 def test_default_model_answers_with_each_method(spec):
     from fastdeploy_core import LLM
 
@@ -200,6 +207,7 @@ def test_default_model_answers_with_each_method(spec):
     assert "Paris" in text, text
 
 
+@pytest.mark.slow
 def test_default_model_wint4_holds_the_gguf_weights_exactly():
     """Q4_1 blocks load as stored: with a float32 LM head, wint4 computes what float32 does."""
     from fastdeploy_core import LLM
@@ -227,5 +235,8 @@ def test_kv_cache_dtype_int8_flag_uses_the_int8_cache(tiny_dir, float_run):
     core = make_core(tiny_dir, kv_cache_dtype="int8")
     assert isinstance(core.runner.kv_caches[0][0], QuantizedKVCache)
     assert core.runner.bytes_per_block == 2 * 2 * 4 * 2 * (32 + 4)  # K+V, 2 layers, 4 slots, 2 heads
-    tokens = generate(core)
-    assert sum(a == b for t, f in zip(tokens, float_tokens) for a, b in zip(t, f)) >= 0.75 * len(PROMPTS) * MAX_NEW
+    assert core.runner.kv_caches[0][0].data.dtype == paddle.int8
+    assert [len(t) for t in generate(core)] == [len(t) for t in float_tokens]
+    # the same bar as the kv_cache_quant_type route to the same cache (teacher-forced, so one
+    # early flip does not hide or excuse the rest)
+    assert_within_bars(core, float_run, "kv_int8")
