@@ -381,22 +381,8 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
     _wait_idle(server, timeout=5)
 
 
-def test_client_disconnect_non_streaming_aborts(server):
-    _wait_idle(server)
-    body = {"prompt": "A long story:", "max_tokens": 400, "min_tokens": 399}
-
-    def fire():
-        try:
-            httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers(), timeout=1.5)
-        except httpx.TimeoutException:
-            pass
-
-    t = threading.Thread(target=fire)
-    t.start()
-    t.join()
-    # the client gave up after 1.5 s; a 400-token request takes far longer, so only an abort frees it
-    m = _wait_idle(server, timeout=5)
-    assert m["fastdeploy:num_requests_running"] == 0
+# The non-streaming disconnect is checked by its effect (tokens generated, success counter) in
+# test_options_served.py::test_client_disconnect_non_streaming_aborts_before_it_could_finish.
 
 
 def test_over_concurrency_is_429(server):
