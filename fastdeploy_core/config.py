@@ -153,7 +153,7 @@ class SpeculativeConfig(_Section):
     num_speculative_tokens: int = Field(1, ge=1, le=16)
 
     @model_validator(mode="after")
-    def _not_yet(self) -> "SpeculativeConfig":
+    def _not_yet(self) -> SpeculativeConfig:
         # Refused by value, not by presence: EngineArgs.flat() carries the defaults (method None)
         # to the engine-core process, which must accept them.
         if self.method is not None or self.num_speculative_tokens != 1:

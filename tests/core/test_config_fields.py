@@ -121,7 +121,7 @@ def test_read_fields_are_read_where_the_table_says(key):
 
 @pytest.mark.parametrize("key", [k for k, v in FIELDS.items() if v[0] == "refused"], ids="{0[0]}.{0[1]}".format)
 def test_refused_fields_raise_a_config_error_saying_so(key):
-    section, name = key
+    _, name = key
     _, value, says, param = FIELDS[key]
     with pytest.raises(ConfigError) as info:
         EngineArgs.create(**{name: value})
@@ -145,3 +145,21 @@ def test_dtype_other_than_float32_is_refused_naming_the_devices_dtypes(dtype):
         check_dtype(dtype, "some-gpu", ("bfloat16", "float16", "float32"))
     for runs in ("auto", "float32"):
         check_dtype(runs, CpuDevice.name, tuple(CpuDevice.supported_dtypes))
+
+
+def test_llm_refuses_a_dtype_the_cpu_would_not_compute_in():
+    """The offline entry point meets the runner's dtype check before any weight is loaded."""
+    from fastdeploy_core import LLM
+
+    with pytest.raises(ConfigError, match=r"dtype: bfloat16 is not supported: device cpu does not support it "
+                                          r"\(its dtypes: float32\)"):
+        LLM(model=None, device="cpu", dtype="bfloat16")
+
+
+def test_mix_quant_refuses_image_moe_quant_type():
+    from fastdeploy_core.errors import QuantizationError
+    from fastdeploy_core.quantization.mix_quant import MixQuant
+
+    with pytest.raises(QuantizationError, match="image_moe_quant_type \\('wint4'\\) is not supported"):
+        MixQuant.from_config({"dense_quant_type": "wint8",
+                              "image_moe_quant_type": "wint4"}, resolver=lambda *a: None)
