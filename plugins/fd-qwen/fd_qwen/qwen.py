@@ -1,0 +1,54 @@
+"""Native Qwen2 and Qwen3 models on the core's generic decoder.
+
+What sets them apart from Llama (read from transformers' ``modeling_qwen2``/``modeling_qwen3``):
+Qwen2 always has a bias on the Q/K/V projections and none on the output projection; Qwen3 has a
+bias on all four only when ``attention_bias`` is set, and normalises every query and key head
+(RMSNorm over ``head_dim``, weights ``q_norm``/``k_norm``) before the rotary embedding. Both
+slide a window over the layers from ``max_window_layers`` on when ``use_sliding_window`` is set
+(or over the layers ``layer_types`` marks ``sliding_attention``).
+"""
+
+from __future__ import annotations
+
+from fastdeploy_core.errors import ModelLoadError
+from fastdeploy_core.layers.decoder import DecoderDims, DecoderForCausalLM
+
+
+def qwen_sliding_layers(hf_config: dict, num_layers: int) -> list[int]:
+    """The layers with a sliding window, as transformers' Qwen configs derive them."""
+    if not hf_config.get("use_sliding_window") or not hf_config.get("sliding_window"):
+        return []
+    layer_types = hf_config.get("layer_types")
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise ModelLoadError(
+                f"layer_types lists {len(layer_types)} layers, num_hidden_layers is {num_layers}; fix config.json"
+            )
+        return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    first = int(hf_config.get("max_window_layers", 28))
+    return list(range(first, num_layers))
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    """Qwen2 causal LM over a paged KV cache (see :class:`DecoderForCausalLM` for the interface)."""
+
+    family = "Qwen2"
+
+    def make_dims(self, hf_config: dict) -> DecoderDims:
+        dims = DecoderDims(hf_config, self.family)
+        dims.qkv_bias, dims.o_bias = True, False
+        dims.set_sliding_window(hf_config.get("sliding_window"), qwen_sliding_layers(hf_config, dims.num_layers))
+        return dims
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    """Qwen3 causal LM: per-head Q/K RMSNorm, optional bias on all attention projections."""
+
+    family = "Qwen3"
+
+    def make_dims(self, hf_config: dict) -> DecoderDims:
+        dims = DecoderDims(hf_config, self.family)
+        dims.qkv_bias = dims.o_bias = bool(hf_config.get("attention_bias", False))
+        dims.qk_norm = True
+        dims.set_sliding_window(hf_config.get("sliding_window"), qwen_sliding_layers(hf_config, dims.num_layers))
+        return dims
