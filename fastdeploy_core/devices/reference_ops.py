@@ -208,6 +208,39 @@ class ReferenceOps:
         gate, up = paddle.chunk(x, 2, axis=-1)
         return F.silu(gate) * up
 
+    def fused_moe(
+        self,
+        x: paddle.Tensor,
+        w13: paddle.Tensor,
+        w2: paddle.Tensor,
+        topk_weights: paddle.Tensor,
+        topk_ids: paddle.Tensor,
+    ) -> paddle.Tensor:
+        """The routed experts of a mixture-of-experts layer, SwiGLU experts.
+
+        ``x [T, H]``; ``w13 [E, H, 2I]`` (each expert's gate then up projection, ``[in, out]``),
+        ``w2 [E, I, H]``; ``topk_weights`` float32 ``[T, k]`` and ``topk_ids`` int64 ``[T, k]``
+        (the router's choice). Returns ``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) *
+        up_e(x_t))`` with ``e = topk_ids[t, j]``, ``[T, H]``. Here the (token, choice) rows are
+        sorted by expert and each expert used in the step runs as two matmuls over its rows; a
+        device may use a grouped kernel instead.
+        """
+        num_tokens, top_k = topk_ids.shape
+        flat = topk_ids.reshape([-1])
+        order = paddle.argsort(flat, stable=True)  # (token, choice) rows grouped by expert
+        counts = paddle.bincount(flat, minlength=w13.shape[0]).numpy()
+        rows = paddle.index_select(x, order // top_k, axis=0)
+        outs, start = [], 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                hidden = self.silu_and_mul(paddle.matmul(rows[start : start + count], w13[expert]))
+                outs.append(paddle.matmul(hidden, w2[expert]))
+                start += count
+        grouped = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
+        per_choice = paddle.scatter(paddle.zeros_like(grouped), order, grouped)  # back to (token, choice) order
+        per_choice = per_choice.reshape([num_tokens, top_k, -1]) * topk_weights.astype(x.dtype).unsqueeze(-1)
+        return paddle.sum(per_choice, axis=1)
+
     # ---- captured steps ----------------------------------------------------------------------
     def capture_graph(self, forward, static_tensors: list, previous: "CapturedGraph | None" = None) -> "CapturedGraph":
         """Run ``forward()`` once and keep its device work so :meth:`CapturedGraph.replay` can

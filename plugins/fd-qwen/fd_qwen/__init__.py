@@ -9,6 +9,7 @@ FD_PLUGIN_API_VERSION = PLUGIN_API_VERSION
 ARCHITECTURES = {
     "Qwen2ForCausalLM": "fd_qwen.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "fd_qwen.qwen:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "fd_qwen.qwen:Qwen3MoeForCausalLM",
 }
 
 

@@ -1,4 +1,4 @@
-"""Native Qwen2 and Qwen3 models on the core's generic decoder.
+"""Native Qwen2, Qwen3 and Qwen3-MoE models on the core's generic decoder.
 
 What sets them apart from Llama (read from transformers' ``modeling_qwen2``/``modeling_qwen3``):
 Qwen2 always has a bias on the Q/K/V projections and none on the output projection; Qwen3 has a
@@ -10,8 +10,11 @@ slide a window over the layers from ``max_window_layers`` on when ``use_sliding_
 
 from __future__ import annotations
 
+from paddle import nn
+
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.layers.decoder import DecoderDims, DecoderForCausalLM
+from fastdeploy_core.layers.moe import SparseMoeBlock
 
 
 def qwen_sliding_layers(hf_config: dict, num_layers: int) -> list[int]:
@@ -52,3 +55,43 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
         dims.qk_norm = True
         dims.set_sliding_window(hf_config.get("sliding_window"), qwen_sliding_layers(hf_config, dims.num_layers))
         return dims
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen3 attention with routed experts (transformers' ``modeling_qwen3_moe``).
+
+    Layer ``i`` is a mixture of ``num_experts`` experts of width ``moe_intermediate_size``
+    (softmax router, ``num_experts_per_tok`` per token, renormalised when ``norm_topk_prob``)
+    unless ``i`` is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``; then it is a
+    gated MLP of width ``intermediate_size``. No shared experts.
+    """
+
+    family = "Qwen3-MoE"
+    #: fused_moe's reference groups tokens by expert with a host-side count: not capturable.
+    supports_graph_capture = False
+
+    def make_mlp(self, layer_index: int, prefix: str) -> nn.Layer:
+        cfg = self.config
+        # transformers 5 writes the count as num_local_experts; Qwen's own configs as num_experts.
+        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        if step < 1:
+            raise ModelLoadError(f"decoder_sparse_step must be at least 1, the config has {step}")
+        sparse = layer_index not in (cfg.get("mlp_only_layers") or []) and num_experts > 0
+        if not sparse or (layer_index + 1) % step:
+            return super().make_mlp(layer_index, prefix)
+        try:
+            width = int(cfg["moe_intermediate_size"])
+        except KeyError:
+            raise ModelLoadError(
+                "Qwen3-MoE config is missing 'moe_intermediate_size'; is config.json complete?"
+            ) from None
+        return SparseMoeBlock(
+            self.dims.hidden_size,
+            num_experts,
+            int(cfg.get("num_experts_per_tok") or 0),
+            width,
+            scoring="softmax",
+            renormalize=bool(cfg.get("norm_topk_prob", False)),
+            prefix=prefix,
+        )

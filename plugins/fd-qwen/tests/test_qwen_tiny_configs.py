@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import pytest
 import torch
 import transformers
-from fd_qwen.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from fd_qwen.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
@@ -54,6 +54,34 @@ CASES = {
         "Qwen3ForCausalLM",
         Qwen3ForCausalLM,
         {"head_dim": 16, "attention_bias": True, "tie_word_embeddings": True},
+    ),
+    "qwen3_moe_renormalized": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        Qwen3MoeForCausalLM,
+        {
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+    ),
+    "qwen3_moe_sparse_step_mlp_only": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        Qwen3MoeForCausalLM,
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [3],
+            "tie_word_embeddings": True,
+        },
     ),
 }
 
@@ -122,3 +150,24 @@ def test_sliding_window_layers_follow_max_window_layers():
     assert [layer.self_attn.attn.sliding_window for layer in off.model.layers] == [None, None, None]
     with pytest.raises(ModelLoadError, match="layer_types lists 2 layers"):
         Qwen3ForCausalLM({**config, "layer_types": ["full_attention", "sliding_attention"]})
+
+
+def test_moe_layers_follow_sparse_step_and_mlp_only_layers():
+    _, _, _, extra = CASES["qwen3_moe_sparse_step_mlp_only"]
+    model = Qwen3MoeForCausalLM({**BASE, **extra})
+    kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
+    assert kinds == ["GatedMLP", "SparseMoeBlock", "GatedMLP", "GatedMLP"]
+
+
+def test_contradicting_moe_fields_are_load_errors(tmp_path_factory):
+    _, _, _, extra = CASES["qwen3_moe_renormalized"]
+    with pytest.raises(ModelLoadError, match="3 experts per token .* of 2 experts"):
+        Qwen3MoeForCausalLM({**BASE, **extra, "num_experts": 2, "num_experts_per_tok": 3})
+    path, _, _ = _checkpoint(tmp_path_factory, "qwen3_moe_renormalized")
+    source = resolve_model_source(path)
+    narrow = Qwen3MoeForCausalLM({**source.hf_config, "moe_intermediate_size": 16})
+    with pytest.raises(ModelLoadError, match=r"experts\.\d+\.(gate|up|down)_proj\.weight.*moe_intermediate_size"):
+        load_model_weights(narrow, source)
+    fewer = Qwen3MoeForCausalLM({**source.hf_config, "num_experts": 4, "num_local_experts": 4})
+    with pytest.raises(ModelLoadError, match="expert [4-7].*num_experts"):
+        load_model_weights(fewer, source)

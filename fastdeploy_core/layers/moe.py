@@ -1,0 +1,162 @@
+"""Mixture of experts: a router picks ``top_k`` of ``num_experts`` gated MLPs per token.
+
+The routing (scores, top-k, renormalisation, correction bias) is a handful of plain Paddle
+ops here, the same on every device; the expert computation is the ops table's one
+``fused_moe`` op, which a device may replace with a grouped kernel. Expert weights are stored
+stacked: ``w13 [E, H, 2I]`` (gate then up, Paddle's ``[in, out]`` layout) and ``w2 [E, I, H]``;
+each checkpoint expert tensor (HF ``[out, in]``) is loaded into its slice.
+
+Qwen3-MoE routes by softmax, top-k, optional renormalisation (``norm_topk_prob``); ERNIE-4.5
+by softmax, top-k of the scores plus a correction bias (the bias picks the experts, the
+unbiased scores weight them), renormalised with a floor (``moe_norm_min``), plus shared
+experts every token goes through; DeepSeek-V3 by sigmoid with a correction bias.
+"""
+
+from __future__ import annotations
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from fastdeploy_core.devices.current import current_ops
+from fastdeploy_core.errors import ModelLoadError
+from fastdeploy_core.layers.linear import Linear
+from fastdeploy_core.layers.weights import as_float32, new_parameter
+
+SCORING_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def select_experts(
+    router_logits: paddle.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    correction_bias: paddle.Tensor | None = None,
+    norm_min: float = 0.0,
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """``router_logits [T, E]`` -> ``(weights float32 [T, k], expert ids int64 [T, k])``.
+
+    Scores are ``softmax`` or ``sigmoid`` of the logits; the ``top_k`` experts are those of the
+    largest ``scores + correction_bias`` (the bias only chooses), each weighted by its unbiased
+    score; with ``renormalize`` the k weights are divided by their sum (at least ``norm_min``).
+    """
+    logits = router_logits.astype("float32")
+    scores = F.softmax(logits, axis=-1) if scoring == "softmax" else F.sigmoid(logits)
+    ranking = scores if correction_bias is None else scores + correction_bias
+    _, ids = paddle.topk(ranking, top_k, axis=-1)
+    weights = paddle.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        total = paddle.sum(weights, axis=-1, keepdim=True)
+        weights = weights / (paddle.clip(total, min=norm_min) if norm_min > 0 else total)
+    return weights, ids
+
+
+class FusedMoE(nn.Layer):
+    """The routed experts of one layer: ``forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H]``.
+
+    Each expert is a SwiGLU MLP (``down(silu(gate(x)) * up(x))``) of width ``intermediate_size``.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str = ""):
+        super().__init__()
+        self.num_experts = int(num_experts)
+        self.hidden_size = int(hidden_size)
+        self.intermediate_size = int(intermediate_size)
+        self.prefix = prefix
+        self.w13_weight = new_parameter(self, [self.num_experts, self.hidden_size, 2 * self.intermediate_size])
+        self.w2_weight = new_parameter(self, [self.num_experts, self.intermediate_size, self.hidden_size])
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+
+    def checkpoint_shards(self) -> dict[str, int]:
+        """How many checkpoint tensors fill each parameter: gate and up per expert, down per expert."""
+        return {"w13_weight": 2 * self.num_experts, "w2_weight": self.num_experts}
+
+    def weight_loader(self, param: paddle.Tensor, loaded, shard_id=None) -> None:
+        """Load expert ``e``'s HF tensor: ``shard_id = (e, "gate_proj" | "up_proj" | "down_proj")``."""
+        expert, part = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ModelLoadError(
+                f"{self.prefix}.{expert}.{part}: the checkpoint has expert {expert}, the config declares "
+                f"{self.num_experts} (num_experts); the checkpoint does not match its config.json"
+            )
+        array = as_float32(loaded)
+        inter, hidden = self.intermediate_size, self.hidden_size
+        expected = (hidden, inter) if part == "down_proj" else (inter, hidden)
+        if tuple(array.shape) != expected:
+            field = "moe_intermediate_size" if inter not in array.shape else "hidden_size"
+            raise ModelLoadError(
+                f"{self.prefix}.{expert}.{part}.weight: checkpoint tensor of shape {tuple(array.shape)}, the config "
+                f"({field}) implies {expected}; the checkpoint does not match its config.json"
+            )
+        value = paddle.to_tensor(array.T)
+        if part == "down_proj":
+            param[expert] = value
+        elif part == "gate_proj":
+            param[expert, :, :inter] = value
+        else:
+            param[expert, :, inter:] = value
+
+    def forward(self, x: paddle.Tensor, weights: paddle.Tensor, ids: paddle.Tensor) -> paddle.Tensor:
+        return current_ops().fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
+
+
+class SparseMoeBlock(nn.Layer):
+    """Router (``gate``, a ``[H, E]`` linear), routed experts, optional shared experts.
+
+    Args:
+        shared_experts: a layer every token goes through, added to the routed output (ERNIE).
+        correction_bias: whether the router has a per-expert ``e_score_correction_bias``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        scoring: str = "softmax",
+        renormalize: bool = False,
+        norm_min: float = 0.0,
+        correction_bias: bool = False,
+        shared_experts: nn.Layer | None = None,
+        prefix: str = "",
+    ):
+        super().__init__()
+        if scoring not in SCORING_FUNCTIONS:
+            raise ModelLoadError(f"{prefix}: router scoring {scoring!r} is not one of {', '.join(SCORING_FUNCTIONS)}")
+        if not 0 < top_k <= num_experts:
+            raise ModelLoadError(
+                f"{prefix}: {top_k} experts per token (num_experts_per_tok / moe_k) of {num_experts} experts "
+                "(num_experts / moe_num_experts); it must be between 1 and the number of experts"
+            )
+        self.top_k = int(top_k)
+        self.scoring = scoring
+        self.renormalize = bool(renormalize)
+        self.norm_min = float(norm_min)
+        # The router stays float32 whatever the quantizer: it is small and decides discretely.
+        self.gate = Linear(hidden_size, num_experts, bias=False, quant_config=None, prefix=f"{prefix}.gate")
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, prefix=f"{prefix}.experts")
+        self.shared_experts = shared_experts
+        if correction_bias:
+            self.e_score_correction_bias = new_parameter(self, [num_experts])
+            self.e_score_correction_bias.weight_loader = self._load_bias
+        else:
+            self.e_score_correction_bias = None
+
+    def _load_bias(self, param: paddle.Tensor, loaded, shard_id=None) -> None:
+        array = as_float32(loaded).reshape(-1)
+        if array.shape[0] != param.shape[0]:
+            raise ModelLoadError(
+                f"router correction bias has {array.shape[0]} entries, the config declares {param.shape[0]} experts"
+            )
+        param.set_value(array)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        weights, ids = select_experts(
+            self.gate(x), self.top_k, self.scoring, self.renormalize, self.e_score_correction_bias, self.norm_min
+        )
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
