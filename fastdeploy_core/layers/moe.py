@@ -78,7 +78,7 @@ class FusedMoE(nn.Layer):
         if not 0 <= expert < self.num_experts:
             raise ModelLoadError(
                 f"{self.prefix}.{expert}.{part}: the checkpoint has expert {expert}, the config declares "
-                f"{self.num_experts} (num_experts); the checkpoint does not match its config.json"
+                f"{self.num_experts} experts (num_experts / moe_num_experts); the checkpoint does not match its config.json"
             )
         array = as_float32(loaded)
         inter, hidden = self.intermediate_size, self.hidden_size
