@@ -55,6 +55,9 @@ def build_configs(preset: dict[str, Any], flags: dict[str, Any]):
         raise ConfigError("--protect-metrics puts /metrics behind the API key, but no key is set; add --api-key "
                           "(or env FD_API_KEY)", param="protect_metrics")
     engine = EngineArgs.create(**merged)
+    from fastdeploy_core.scheduler import scheduler_class
+
+    scheduler_class(engine.scheduler.scheduler_name)  # an unknown name fails here, listing the registered ones
     return engine, server
 
 
