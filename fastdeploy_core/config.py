@@ -10,27 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from fastdeploy_core.errors import ConfigError
 
-#: Request-level schedulers this engine runs. Only the in-process ``local`` scheduler exists
-#: today; :func:`check_scheduler_name` is the one place that knows it (a registry lookup will
-#: replace it once schedulers register through ``register_schedulers``).
-SCHEDULER_NAMES: tuple[str, ...] = ("local",)
-
 #: The dtype the engine computes in on every device today (weights, activations, KV cache).
 ENGINE_DTYPE = "float32"
-
-
-def check_scheduler_name(name: str) -> str:
-    """``name`` if a scheduler of that name runs here, else ValueError listing the ones that do."""
-    if name not in SCHEDULER_NAMES:
-        raise ValueError(
-            f"got {name!r}; no scheduler of that name is available (available: {', '.join(SCHEDULER_NAMES)}); "
-            "use --scheduler-name local or drop the flag"
-        )
-    return name
 
 
 def check_dtype(dtype: str, device_name: str, device_dtypes: tuple[str, ...]) -> None:
@@ -95,12 +80,29 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
-    scheduler_name: str = "local"
-
-    @field_validator("scheduler_name")
-    @classmethod
-    def _known_scheduler(cls, value: str) -> str:
-        return check_scheduler_name(value)
+    # The request-level scheduler (fastdeploy_core/scheduler/): which one, and its settings under
+    # FastDeploy's flag names. The name is looked up among registered schedulers when the engine
+    # starts (plugins register more); each scheduler class lists the settings it reads, so the
+    # others given with it are named in a warning.
+    scheduler_name: str = Field("local", min_length=1)
+    scheduler_max_size: int = Field(-1, ge=-1, description="queued requests the local scheduler holds; -1 = no limit")
+    scheduler_ttl: int = Field(900, ge=1, description="seconds a request may wait in a scheduler queue")
+    scheduler_host: str = "127.0.0.1"
+    scheduler_port: int = Field(6379, ge=1, le=65535)
+    scheduler_db: int = Field(0, ge=0)
+    scheduler_password: SecretStr | None = Field(None, description="Redis AUTH password")
+    scheduler_secret: SecretStr | None = Field(
+        None, description="key that signs what instances put in Redis (else env FD_SCHEDULER_SECRET, else the password)"
+    )
+    scheduler_topic: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    scheduler_min_load_score: int = Field(3, ge=1, description="queued requests a peer must hold to be stolen from")
+    scheduler_load_shards_num: int = Field(1, ge=1, le=1024)
+    scheduler_sync_period: int = Field(5, ge=1, le=10000, description="ms between load reports / steal attempts")
+    scheduler_expire_period: int = Field(3000, ge=100, description="ms an instance's keep-alive lasts")
+    scheduler_reader_parallel: int = Field(4, ge=1, le=64)
+    scheduler_writer_parallel: int = Field(4, ge=1, le=64)
+    scheduler_reader_batch_size: int = Field(200, ge=1)
+    scheduler_writer_batch_size: int = Field(200, ge=1)
 
 
 class ParallelConfig(_Section):

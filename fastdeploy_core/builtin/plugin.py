@@ -28,6 +28,19 @@ def register_quantizers(register):
         register(name, target)  # "module:Class", imported when the method is used
 
 
+#: The core's request-level schedulers, imported when one is selected.
+BUILTIN_SCHEDULERS: dict[str, str] = {
+    "local": "fastdeploy_core.scheduler.local:LocalScheduler",
+    "global": "fastdeploy_core.scheduler.global_scheduler:GlobalScheduler",
+}
+
+
+@hookimpl
+def register_schedulers(register):
+    for name, target in BUILTIN_SCHEDULERS.items():
+        register(name, target)
+
+
 @hookimpl
 def register_commands(app):
     for module_name in CORE_COMMAND_MODULES:

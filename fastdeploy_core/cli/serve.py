@@ -55,6 +55,9 @@ def build_configs(preset: dict[str, Any], flags: dict[str, Any]):
         raise ConfigError("--protect-metrics puts /metrics behind the API key, but no key is set; add --api-key "
                           "(or env FD_API_KEY)", param="protect_metrics")
     engine = EngineArgs.create(**merged)
+    from fastdeploy_core.scheduler import scheduler_class
+
+    scheduler_class(engine.scheduler.scheduler_name)  # an unknown name fails here, listing the registered ones
     return engine, server
 
 
@@ -91,6 +94,23 @@ def serve(
     trust_request_chat_template: bool | None = typer.Option(None, "--trust-request-chat-template/--no-trust-request-chat-template", help="Accept a chat_template sent in a request; it runs in a sandbox, bounded in size and time, but is code of the client's choosing (default: refused with 400)."),
     chat_template: str | None = typer.Option(None, "--chat-template", help="Jinja chat template (a file path or the template text)."),
     seed: int | None = typer.Option(None, "--seed", help="Engine seed for unseeded sampling."),
+    scheduler_name: str | None = typer.Option(None, "--scheduler-name", help="Request-level scheduler: local (default) | global (Redis, work stealing across instances) | one a plugin registers (`fastdeploy plugins`)."),
+    scheduler_max_size: int | None = typer.Option(None, "--scheduler-max-size", help="local: requests its queue holds, more get 503; -1 = no limit (default)."),
+    scheduler_ttl: int | None = typer.Option(None, "--scheduler-ttl", help="Seconds a request may wait in the scheduler's queue before it fails (default: 900)."),
+    scheduler_host: str | None = typer.Option(None, "--scheduler-host", help="global: Redis host (default: 127.0.0.1)."),
+    scheduler_port: int | None = typer.Option(None, "--scheduler-port", help="global: Redis port (default: 6379)."),
+    scheduler_db: int | None = typer.Option(None, "--scheduler-db", help="global: Redis database index (default: 0)."),
+    scheduler_password: str | None = typer.Option(None, "--scheduler-password", help="global: Redis password; also the signing key when --scheduler-secret is unset."),
+    scheduler_secret: str | None = typer.Option(None, "--scheduler-secret", help="global: key signing what instances put in Redis, the same on every instance (or env FD_SCHEDULER_SECRET); see docs/security.md."),
+    scheduler_topic: str | None = typer.Option(None, "--scheduler-topic", help="global: instances sharing work use the same topic (default: default)."),
+    scheduler_min_load_score: int | None = typer.Option(None, "--scheduler-min-load-score", help="global: queued requests a peer must hold before idle instances steal from it (default: 3)."),
+    scheduler_load_shards_num: int | None = typer.Option(None, "--scheduler-load-shards-num", help="global: shards of the load sorted set (default: 1)."),
+    scheduler_sync_period: int | None = typer.Option(None, "--scheduler-sync-period", help="global: ms between load reports and steal attempts (default: 5)."),
+    scheduler_expire_period: int | None = typer.Option(None, "--scheduler-expire-period", help="global: ms an instance's keep-alive lasts; a silent instance leaves after it (default: 3000)."),
+    scheduler_reader_parallel: int | None = typer.Option(None, "--scheduler-reader-parallel", help="global: Redis connections for reading (default: 4)."),
+    scheduler_writer_parallel: int | None = typer.Option(None, "--scheduler-writer-parallel", help="global: Redis connections for writing (default: 4)."),
+    scheduler_reader_batch_size: int | None = typer.Option(None, "--scheduler-reader-batch-size", help="global: result batches read per round trip (default: 200)."),
+    scheduler_writer_batch_size: int | None = typer.Option(None, "--scheduler-writer-batch-size", help="global: outputs per result batch written (default: 200)."),
     config: str | None = typer.Option(None, "--config", help="YAML preset of these flags (dash or underscore names); flags given here win."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
 ) -> None:
@@ -114,6 +134,15 @@ def serve(
         "max_request_body_bytes": max_request_body_bytes, "protect_metrics": protect_metrics,
         "trust_request_chat_template": trust_request_chat_template,
         "chat_template": _read_template(chat_template), "seed": seed,
+        "scheduler_name": scheduler_name, "scheduler_max_size": scheduler_max_size, "scheduler_ttl": scheduler_ttl,
+        "scheduler_host": scheduler_host, "scheduler_port": scheduler_port, "scheduler_db": scheduler_db,
+        "scheduler_password": scheduler_password, "scheduler_secret": scheduler_secret,
+        "scheduler_topic": scheduler_topic, "scheduler_min_load_score": scheduler_min_load_score,
+        "scheduler_load_shards_num": scheduler_load_shards_num, "scheduler_sync_period": scheduler_sync_period,
+        "scheduler_expire_period": scheduler_expire_period, "scheduler_reader_parallel": scheduler_reader_parallel,
+        "scheduler_writer_parallel": scheduler_writer_parallel,
+        "scheduler_reader_batch_size": scheduler_reader_batch_size,
+        "scheduler_writer_batch_size": scheduler_writer_batch_size,
     }
     try:
         preset = load_preset(config) if config else {}

@@ -100,7 +100,16 @@ class EngineCoreClient:
         return f"tcp://127.0.0.1:{self.port}"
 
     async def start(self, timeout: float = 600.0) -> dict[str, Any]:
-        """Spawn the core and wait until its engine is built; raise its error if it fails."""
+        """Spawn the core and wait until its engine is built; raise its error if it fails.
+
+        The request-level scheduler is checked first (its name is registered, a store it needs
+        answers), so a wrong ``--scheduler-*`` flag fails in seconds, not after the model loads.
+        """
+        from fastdeploy_core.config import EngineArgs
+        from fastdeploy_core.scheduler import check_scheduler
+
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, check_scheduler, EngineArgs.create(**self.engine_args).scheduler)
         address = self._bind()
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(
@@ -190,6 +199,9 @@ class AsyncEngineClient:
         self.output_processor = output_processor
         self.stats: dict[str, Any] = {}
         self.dead_error: EngineDeadError | None = None
+        #: Set while the request-level scheduler cannot take requests (its store is lost): new
+        #: requests get it (503); cleared when the scheduler reports it is back.
+        self.scheduler_error: FastDeployError | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop_task: asyncio.Task | None = None
         self._closing = False
@@ -242,6 +254,8 @@ class AsyncEngineClient:
                     self.stats = msg[1]
                 elif kind == "request_error":
                     self._fail_request(msg[1], RemoteError(msg[2]))
+                elif kind == "scheduler_status":
+                    self._scheduler_status(msg[1])
                 elif kind == "dead":
                     self._mark_dead(f"engine core failed: {msg[1]['exc_type']}: {msg[1]['message']}")
                     return
@@ -250,6 +264,18 @@ class AsyncEngineClient:
         except Exception as exc:
             logger.exception("engine output loop failed")
             self._mark_dead(f"engine output loop failed: {exc}")
+
+    def _scheduler_status(self, status: dict[str, Any]) -> None:
+        from fastdeploy_core.scheduler.base import SchedulerUnavailableError
+
+        if status.get("available"):
+            if self.scheduler_error is not None:
+                logger.info("the request scheduler is available again")
+            self.scheduler_error = None
+        else:
+            reason = status.get("reason") or "the request scheduler is unavailable"
+            logger.error("%s; new requests get 503", reason)
+            self.scheduler_error = SchedulerUnavailableError(reason)
 
     def _dispatch(self, outputs: list[Any]) -> None:
         live = [o for o in outputs if o.request_id in self._queues]
@@ -273,6 +299,13 @@ class AsyncEngineClient:
         if self.dead_error is not None:
             raise self.dead_error
 
+    def check_available(self) -> None:
+        """Raise the reason (503) when requests cannot be served now: the core is dead, or the
+        request scheduler lost its store."""
+        self._check_alive()
+        if self.scheduler_error is not None:
+            raise self.scheduler_error
+
     async def generate(
         self,
         request_id: str,
@@ -285,7 +318,7 @@ class AsyncEngineClient:
         """Stream the request's outputs; aborting (closing the iterator) frees it in the core."""
         from fastdeploy_core.engine.outputs import EngineCoreRequest
 
-        self._check_alive()
+        self.check_available()
         if request_id in self._queues:
             from fastdeploy_core.errors import InvalidRequestError
 

@@ -7,11 +7,18 @@ both directions is sealed with the launch's secret and checked before it is deco
 
 API -> core: ``("add", EngineCoreRequest)``, ``("abort", [request_id, ...])``, ``("shutdown",)``
 core -> API: ``("ready", info)``, ``("startup_failed", error)``, ``("outputs", [EngineCoreOutput], stats)``,
-``("stats", stats)``, ``("request_error", request_id, error)``, ``("dead", error)``
+``("stats", stats)``, ``("request_error", request_id, error)``, ``("dead", error)``,
+``("scheduler_status", {"available": bool, "reason": str})``
 
 where ``error`` is a dict ``{message, type, status, param, code}`` (typed errors keep their
 HTTP status across the process boundary). Inputs are drained between steps, so an abort frees
-the request's KV blocks before the next step runs. This process binds nothing: the only socket
+the request's KV blocks before the next step runs.
+
+Requests do not go to the engine directly: they enter the request-level scheduler
+(``--scheduler-name``, :mod:`fastdeploy_core.scheduler`), which hands the engine, before each
+step, the ones it has room for (its own, or with ``global`` ones taken from other instances),
+routes each step's outputs (to this API process, or to the instance a stolen request came
+from) and reports outputs, errors and aborts from elsewhere. This process binds nothing: the only socket
 it has is the one it connects to the API process.
 """
 
@@ -25,22 +32,12 @@ import time
 import traceback
 from typing import Any
 
+from fastdeploy_core.scheduler.base import error_dict as error_payload
+
 logger = logging.getLogger("fastdeploy.engine_core")
 
 #: How long the idle loop sleeps in poll(); bounds how late a shutdown or parent death is seen.
 IDLE_POLL_MS = 100
-
-
-def error_payload(exc: BaseException) -> dict[str, Any]:
-    """A JSON-ready description of ``exc`` that keeps the HTTP mapping of typed errors."""
-    return {
-        "message": getattr(exc, "message", None) or str(exc) or type(exc).__name__,
-        "type": getattr(exc, "error_type", "internal_error"),
-        "status": int(getattr(exc, "http_status", 500)),
-        "param": getattr(exc, "param", None),
-        "code": getattr(exc, "code", None),
-        "exc_type": type(exc).__name__,
-    }
 
 
 def run_engine_core(
@@ -101,16 +98,41 @@ def _serve(link: _CoreLink, engine_args: dict[str, Any], parent_pid: int, stoppi
     try:
         from fastdeploy_core.config import EngineArgs
         from fastdeploy_core.engine.engine_core import EngineCore
+        from fastdeploy_core.scheduler import scheduler_class
 
-        engine = EngineCore(EngineArgs.create(**engine_args))
+        args = EngineArgs.create(**engine_args)
+        scheduler_cls = scheduler_class(args.scheduler.scheduler_name)
+        engine = EngineCore(args)
+        scheduler = scheduler_cls(args.scheduler)
+        scheduler.start()
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits with it
-        logger.error("engine core failed to start: %s", exc)
+        logger.error("engine core failed to start: %s", getattr(exc, "message", None) or exc)
         logger.debug("%s", traceback.format_exc())
         link.send(("startup_failed", error_payload(exc)))
         return
+    try:
+        _loop(link, engine, scheduler, parent_pid, stopping, zmq)
+    finally:
+        scheduler.stop()
 
-    link.send(("ready", _ready_info(engine)))
-    logger.info("engine core ready (pid %d)", os.getpid())
+
+def _stats(engine: Any, scheduler: Any) -> dict[str, Any]:
+    """The engine's statistics plus the scheduler's; requests queued in the scheduler are waiting too."""
+    stats = engine.get_stats()
+    extra = scheduler.stats()
+    stats.update(extra)
+    stats["num_requests_waiting"] += int(extra.get("scheduler_queue_depth", 0))
+    return stats
+
+
+def _loop(link: _CoreLink, engine: Any, scheduler: Any, parent_pid: int, stopping: dict[str, bool], zmq: Any) -> None:
+    from fastdeploy_core.engine.engine_core import validate_prompt
+    from fastdeploy_core.engine.link import _output_from_wire
+    from fastdeploy_core.engine.outputs import EngineCoreRequest
+    from fastdeploy_core.scheduler.base import QueuedRequest
+
+    link.send(("ready", _ready_info(engine, scheduler)))
+    logger.info("engine core ready (pid %d), request scheduler %r", os.getpid(), scheduler.name)
     poller = zmq.Poller()
     poller.register(link.sock, zmq.POLLIN)
     stats_dirty = False
@@ -118,8 +140,8 @@ def _serve(link: _CoreLink, engine_args: dict[str, Any], parent_pid: int, stoppi
 
     while not stopping["flag"]:
         busy = engine.has_unfinished_requests()
-        timeout = 0 if busy else IDLE_POLL_MS
-        # Drain every pending input before the next step: adds join the batch, aborts free blocks.
+        timeout = 0 if busy else min(IDLE_POLL_MS, scheduler.idle_wait_ms)
+        # Drain every pending input before the next step: adds join the queue, aborts free blocks.
         while dict(poller.poll(timeout)).get(link.sock):
             timeout = 0
             msg = link.recv()
@@ -129,11 +151,13 @@ def _serve(link: _CoreLink, engine_args: dict[str, Any], parent_pid: int, stoppi
             if kind == "add":
                 request = msg[1]
                 try:
-                    engine.add_request(request)
+                    validate_prompt(request.prompt_token_ids, request.sampling_params, engine.max_model_len,
+                                    engine.vocab_size)
+                    scheduler.add_request(QueuedRequest.from_payload(request.to_dict()))
                 except Exception as exc:  # noqa: BLE001 - a bad request must not kill the core
                     link.send(("request_error", request.request_id, error_payload(exc)))
             elif kind == "abort":
-                engine.abort_requests(list(msg[1]))
+                engine.abort_requests(scheduler.abort(list(msg[1])))
             elif kind == "shutdown":
                 stopping["flag"] = True
                 break
@@ -148,6 +172,24 @@ def _serve(link: _CoreLink, engine_args: dict[str, Any], parent_pid: int, stoppi
                 logger.error("API process %d is gone; engine core exits", parent_pid)
                 return
 
+        events = scheduler.poll()
+        if events:
+            if events.aborts:
+                engine.abort_requests(events.aborts)
+            if events.outputs:
+                link.send(("outputs", [_output_from_wire(o) for o in events.outputs], _stats(engine, scheduler)))
+            for request_id, error in events.errors:
+                link.send(("request_error", request_id, error))
+            if events.available is not None:
+                link.send(("scheduler_status", {"available": events.available, "reason": events.reason}))
+            stats_dirty = True
+        for queued in scheduler.get_requests(engine.capacity()):
+            try:
+                engine.add_request(EngineCoreRequest.from_dict(queued.payload))
+            except Exception as exc:  # noqa: BLE001 - refused here; its client hears why
+                scheduler.fail(queued, error_payload(exc))
+            stats_dirty = True
+
         if engine.has_unfinished_requests():
             try:
                 outputs = engine.step()
@@ -155,19 +197,20 @@ def _serve(link: _CoreLink, engine_args: dict[str, Any], parent_pid: int, stoppi
                 logger.error("engine step failed, engine core stops:\n%s", traceback.format_exc())
                 link.send(("dead", error_payload(exc)))
                 raise SystemExit(1) from None
-            link.send(("outputs", outputs, engine.get_stats()))
+            link.send(("outputs", scheduler.put_outputs(outputs), _stats(engine, scheduler)))
             stats_dirty = False
         elif stats_dirty:
-            link.send(("stats", engine.get_stats()))
+            link.send(("stats", _stats(engine, scheduler)))
             stats_dirty = False
     logger.info("engine core shutting down")
 
 
-def _ready_info(engine: Any) -> dict[str, Any]:
-    info: dict[str, Any] = {"max_model_len": engine.max_model_len, "pid": os.getpid()}
+def _ready_info(engine: Any, scheduler: Any) -> dict[str, Any]:
+    info: dict[str, Any] = {"max_model_len": engine.max_model_len, "pid": os.getpid(), "scheduler": scheduler.name,
+                            "scheduler_instance": getattr(scheduler, "instance", None)}
     try:
         info["config_info"] = engine.config_info()
     except Exception as exc:  # noqa: BLE001 - informative only
         info["config_info"] = {"error": str(exc)}
-    info["stats"] = engine.get_stats()
+    info["stats"] = _stats(engine, scheduler)
     return info

@@ -15,6 +15,8 @@ API (stable; the server's engine process is built on it)::
                                                  # tokens or finished in this step
     core.abort_requests([request_id, ...])       # frees KV blocks now; no output is emitted
     core.has_unfinished_requests() -> bool
+    core.capacity() -> Capacity                  # free slots / blocks and step budget, for the
+                                                 # request-level scheduler (fastdeploy_core.scheduler)
     core.get_stats() -> dict                     # running/waiting, blocks, cache usage, prefix hits,
                                                  # prompt/generation token totals, preemptions
     core.config_info() -> dict                   # resolved settings (blocks, max_model_len, device…)
@@ -46,6 +48,7 @@ from fastdeploy_core.engine.request import Request, RequestStatus
 from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.engine.scheduler import Scheduler
 from fastdeploy_core.errors import ConfigError, ContextLengthExceededError, InvalidRequestError
+from fastdeploy_core.scheduler.base import Capacity
 
 
 def validate_prompt(
@@ -287,6 +290,22 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def capacity(self) -> Capacity:
+        """What the engine can take before its next step, for the request-level scheduler.
+
+        Waiting requests (new or preempted) count against the free blocks with the blocks
+        their tokens need, so requests are handed over only while they can start soon.
+        """
+        sched, bm = self.scheduler, self.block_manager
+        promised = sum(bm.blocks_needed(req.num_tokens + 1) for req in sched.waiting)
+        return Capacity(
+            free_slots=max(0, sched.max_num_seqs - sched.num_running - sched.num_waiting),
+            free_blocks=max(0, bm.num_free_blocks - promised),
+            block_size=bm.block_size,
+            token_budget=self.runner.max_num_batched_tokens,
+            idle=not sched.has_unfinished_requests(),
+        )
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

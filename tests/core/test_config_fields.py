@@ -24,6 +24,7 @@ CORE = "engine/engine_core.py"
 SERVER = "entrypoints/openai/api_server.py"
 SERVE = "cli/serve.py"
 CONFIG = "config.py"
+GLOBAL = "scheduler/global_scheduler.py"
 
 
 def read(module: str, *accesses: str) -> tuple[str, str, tuple[str, ...]]:
@@ -56,8 +57,24 @@ FIELDS: dict[tuple[str, str], tuple] = {
     ("scheduler", "max_num_batched_tokens"): read(RUNNER, "return args.scheduler.max_num_batched_tokens"),
     ("scheduler", "enable_chunked_prefill"): read(CORE, "enable_chunked_prefill=args.scheduler.enable_chunked_prefill"),
     ("scheduler", "policy"): read(CORE, "policy=args.scheduler.policy"),
-    # "local" (the in-process scheduler, the only one) runs; every other name is refused.
-    ("scheduler", "scheduler_name"): refused("global", "no scheduler of that name is available (available: local)"),
+    # Looked up among registered schedulers when the engine starts (fastdeploy_core/scheduler/).
+    ("scheduler", "scheduler_name"): read("scheduler/__init__.py", "scheduler_class(config.scheduler_name"),
+    ("scheduler", "scheduler_max_size"): read("scheduler/local.py", "self.config.scheduler_max_size"),
+    ("scheduler", "scheduler_ttl"): read("scheduler/local.py", "self.config.scheduler_ttl"),
+    ("scheduler", "scheduler_host"): read(GLOBAL, "host=config.scheduler_host"),
+    ("scheduler", "scheduler_port"): read(GLOBAL, "port=config.scheduler_port"),
+    ("scheduler", "scheduler_db"): read(GLOBAL, "db=config.scheduler_db"),
+    ("scheduler", "scheduler_password"): read(GLOBAL, "config.scheduler_password.get_secret_value()"),
+    ("scheduler", "scheduler_secret"): read("scheduler/signing.py", "config.scheduler_secret"),
+    ("scheduler", "scheduler_topic"): read(GLOBAL, 'f"fastdeploy.{config.scheduler_topic}"'),
+    ("scheduler", "scheduler_min_load_score"): read(GLOBAL, "self.config.scheduler_min_load_score"),
+    ("scheduler", "scheduler_load_shards_num"): read(GLOBAL, "self.config.scheduler_load_shards_num"),
+    ("scheduler", "scheduler_sync_period"): read(GLOBAL, "self.config.scheduler_sync_period"),
+    ("scheduler", "scheduler_expire_period"): read(GLOBAL, "self.config.scheduler_expire_period"),
+    ("scheduler", "scheduler_reader_parallel"): read(GLOBAL, "config.scheduler_reader_parallel"),
+    ("scheduler", "scheduler_writer_parallel"): read(GLOBAL, "config.scheduler_writer_parallel"),
+    ("scheduler", "scheduler_reader_batch_size"): read(GLOBAL, "self.config.scheduler_reader_batch_size"),
+    ("scheduler", "scheduler_writer_batch_size"): read(GLOBAL, "self.config.scheduler_writer_batch_size"),
     # 1 (one device, what runs) is accepted; more is refused.
     ("parallel", "tensor_parallel_size"): refused(2, "tensor parallelism is not supported yet"),
     ("parallel", "device"): read(RUNNER, "pm.select_device(args.parallel.device)"),

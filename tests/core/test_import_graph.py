@@ -22,6 +22,7 @@ LAYERS = [
     {"quantization"},
     {"tokenizer"},
     {"executor"},
+    {"scheduler"},
     {"engine"},
     {"entrypoints"},
     {"cli"},

@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 
 from fastdeploy_core.config import EngineArgs, ServerConfig
@@ -148,7 +149,7 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
                 "served_model_name": s.served_model_name,
                 "model": s.model_source,
                 "max_model_len": s.max_model_len,
-                "engine_args": engine_args.flat(),
+                "engine_args": jsonable_encoder(engine_args.flat()),  # secrets shown as ********
                 "server": server.model_dump(exclude={"api_key"}),
                 "engine": s.engine.config_info,
                 "engine_core_pid": s.engine.core.process.pid if s.engine.core.process else None,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 try:  # created-timestamps double the output for no use here
     from prometheus_client import disable_created_metrics
@@ -26,6 +26,13 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+_SCHEDULER_COUNTERS = {
+    "scheduler_requests_stolen": "Requests this instance took from other instances' queues",
+    "scheduler_requests_served_for_peers": "Requests this instance finished for other instances' clients",
+    "scheduler_requests_sent_to_peers": "Requests of this instance's clients that other instances took",
+}
 
 
 class _EngineStateCollector:
@@ -66,6 +73,12 @@ class _EngineStateCollector:
         }
         for name, (doc, value) in values.items():
             yield GaugeMetricFamily(f"fastdeploy:{name}", doc, value=float(value or 0))
+        # The request-level scheduler's (fastdeploy_core/scheduler/); global work stealing fills them.
+        yield GaugeMetricFamily("fastdeploy:scheduler_queue_depth", "Requests queued in the request-level "
+                                "scheduler (for global: in this instance's Redis queue)",
+                                value=float(s.get("scheduler_queue_depth", 0) or 0))
+        for name, doc in _SCHEDULER_COUNTERS.items():
+            yield CounterMetricFamily(f"fastdeploy:{name}", doc, value=float(s.get(name, 0) or 0))
 
 
 class ServerMetrics:

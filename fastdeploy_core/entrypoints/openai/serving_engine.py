@@ -281,8 +281,7 @@ class ServingState:
         raise model_not_found(name, self.served_model_name)
 
     def check_engine(self) -> None:
-        if self.engine.dead_error is not None:
-            raise self.engine.dead_error
+        self.engine.check_available()
 
     # --- sampling parameters ----------------------------------------------------------------
 

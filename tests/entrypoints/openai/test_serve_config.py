@@ -60,8 +60,8 @@ def test_api_keys_from_flags_and_env(monkeypatch):
     [
         ("kv_cache_ratio", 0.5, "kv_cache_ratio: got 0.5; kv_cache_ratio is not supported"),
         ("tensor_parallel_size", 2, "tensor_parallel_size: got 2; tensor parallelism is not supported yet"),
-        ("scheduler_name", "global", ("scheduler_name: got 'global'; no scheduler of that name is available "
-                                      "(available: local)")),
+        ("scheduler_name", "nosuch", ("scheduler_name: no scheduler 'nosuch' is registered; registered schedulers: "
+                                      "global (fastdeploy-core), local (fastdeploy-core)")),
         ("speculative_config", {"method": "ngram"}, "speculative_config: speculative_config is not supported yet"),
     ],
 )
