@@ -55,22 +55,15 @@ class CacheConfig(_Section):
     block_size: int = Field(64, ge=1, le=1024)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     num_gpu_blocks_override: int | None = Field(None, ge=1)
-    kv_cache_ratio: float | None = Field(None, description="FastDeploy's prefill/decode block split: refused")
+    kv_cache_ratio: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="FastDeploy's prefill/decode block split: new prompts are admitted while the KV blocks in use "
+        "stay within this share of the pool, the rest is kept for running requests' output (None: 1.0)",
+    )
     enable_prefix_caching: bool = True
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
-
-    @field_validator("kv_cache_ratio")
-    @classmethod
-    def _no_kv_cache_ratio(cls, value: float | None) -> None:
-        # Accepting it would be a lie: FastDeploy splits GPU KV blocks between prefill and
-        # decode with it, while this engine's scheduler shares one block pool.
-        if value is not None:
-            raise ValueError(
-                f"got {value!r}; kv_cache_ratio is not supported: this engine's scheduler shares one KV block "
-                "pool between prefill and decode, so there is nothing to split; drop the flag and size the cache "
-                "with --gpu-memory-utilization or --num-gpu-blocks-override"
-            )
-        return None
 
 
 class SchedulerConfig(_Section):

@@ -20,7 +20,6 @@ logger = logging.getLogger("fastdeploy.serve")
 SERVER_KEYS = ("host", "port", "metrics_port", "engine_worker_queue_port", "api_key", "max_concurrency",
                "max_waiting_time", "max_request_body_bytes", "protect_metrics", "trust_request_chat_template")
 
-_REFUSED_HELP = "Accepted by FastDeploy; refused here with an error saying why."
 
 
 def load_preset(path: str) -> dict[str, Any]:
@@ -75,7 +74,7 @@ def serve(
     block_size: int | None = typer.Option(None, "--block-size", help="Tokens per KV-cache block (default: 64)."),
     gpu_memory_utilization: float | None = typer.Option(None, "--gpu-memory-utilization", help="Fraction of device memory for weights + KV cache (of RAM on CPU)."),
     num_gpu_blocks_override: int | None = typer.Option(None, "--num-gpu-blocks-override", help="Exact number of KV-cache blocks."),
-    kv_cache_ratio: float | None = typer.Option(None, "--kv-cache-ratio", help=_REFUSED_HELP + " One KV block pool serves prefill and decode."),
+    kv_cache_ratio: float | None = typer.Option(None, "--kv-cache-ratio", help="Share of the KV blocks new prompts may fill while others run; the rest is kept for their output (FastDeploy's prefill/decode split; default 1.0)."),
     tensor_parallel_size: int | None = typer.Option(None, "--tensor-parallel-size", help="Devices to split the model over; only 1 (tensor parallelism is not implemented yet)."),
     model_impl: str | None = typer.Option(None, "--model-impl", help="auto | fastdeploy | paddleformers."),
     quantization: str | None = typer.Option(None, "--quantization", help="Quantization method name or FastDeploy JSON."),

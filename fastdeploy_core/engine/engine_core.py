@@ -196,6 +196,7 @@ class EngineCore:
             enable_chunked_prefill=args.scheduler.enable_chunked_prefill,
             policy=args.scheduler.policy,
             mix_prefill_decode=mixes_prefill_and_decode(self.runner.ops),
+            prompt_block_share=args.cache.kv_cache_ratio or 1.0,
         )
         self.prompt_sizer = PromptStepSizer.from_env(
             min(PROMPT_STEP_MIN_TOKENS, self.runner.max_num_batched_tokens), self.runner.max_num_batched_tokens

@@ -104,6 +104,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         mix_prefill_decode: bool = True,
+        prompt_block_share: float = 1.0,
     ):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -113,6 +114,11 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
         self.mix_prefill_decode = mix_prefill_decode
+        #: ``kv_cache_ratio``: while requests run, a waiting one is admitted only if the blocks in use
+        #: afterwards stay within this share of the pool; the rest is kept for the running requests'
+        #: output, so fewer of them are preempted when a burst of prompts arrives (FastDeploy's
+        #: prefill/decode block split). 1.0: prompts may take every free block.
+        self.prompt_block_share = prompt_block_share
         self.prompt_token_cap: int | None = None
         self.last_step_kind: str | None = None  # "prefill" / "decode" / "mixed" (the last non-empty step)
         self.waiting: list[Request] = []  # sorted by policy key
@@ -223,6 +229,8 @@ class Scheduler:
                 num_new = prompt_tokens(wanted)
                 if num_new < wanted and not self.enable_chunked_prefill:
                     break
+                if self.running and not self._within_prompt_share(req, num_computed + num_new, cached):
+                    break
                 if not bm.allocate(req, num_computed + num_new, cached):
                     break
                 self.waiting.pop(0)
@@ -237,6 +245,16 @@ class Scheduler:
                 budget -= num_new
                 prompt_budget -= num_new
                 first_prompt = False
+
+    def _within_prompt_share(self, req: Request, num_tokens: int, cached: list[int]) -> bool:
+        """Whether admitting ``req`` with ``num_tokens`` keeps the blocks in use within
+        :attr:`prompt_block_share` of the pool (a lone request is always admitted)."""
+        if self.prompt_block_share >= 1.0:
+            return True
+        bm = self.block_manager
+        revived = sum(1 for b in cached if bm.blocks[b].ref_count == 0)
+        in_use_after = bm.num_blocks - bm.num_free_blocks + revived + bm.blocks_needed(num_tokens) - len(cached)
+        return in_use_after <= self.prompt_block_share * bm.num_blocks
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)

@@ -50,7 +50,7 @@ FIELDS: dict[tuple[str, str], tuple] = {
     ("cache", "block_size"): read(RUNNER, "self.block_size = args.cache.block_size"),
     ("cache", "gpu_memory_utilization"): read(RUNNER, "cache.gpu_memory_utilization"),
     ("cache", "num_gpu_blocks_override"): read(RUNNER, "num_blocks = cache.num_gpu_blocks_override"),
-    ("cache", "kv_cache_ratio"): refused(0.5, "kv_cache_ratio is not supported"),
+    ("cache", "kv_cache_ratio"): read(CORE, "prompt_block_share=args.cache.kv_cache_ratio"),
     ("cache", "enable_prefix_caching"): read(CORE, "args.cache.enable_prefix_caching"),
     ("cache", "kv_cache_dtype"): read(RUNNER, 'args.cache.kv_cache_dtype == "int8"'),
     ("scheduler", "max_num_seqs"): read(CORE, "max_num_seqs=args.scheduler.max_num_seqs"),

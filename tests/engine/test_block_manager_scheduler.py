@@ -349,3 +349,27 @@ def test_prompt_step_sizer_env(monkeypatch):
         PromptStepSizer.from_env(64, 2048)
     monkeypatch.delenv(PROMPT_STEP_TARGET_ENV)
     assert PromptStepSizer.from_env(64, 32).cap == 32  # the budget bounds the smallest step too
+
+
+def test_prompt_block_share_keeps_blocks_for_running_requests():
+    """kv_cache_ratio: a second prompt waits while admitting it would put the blocks in use past
+    the share; the first (lone) request is admitted whatever its size, and nothing is lost."""
+    for share, second_admitted_at_once in ((1.0, True), (0.5, False)):
+        bm = BlockManager(10, 4)  # 40 token slots
+        sched = Scheduler(bm, 4, 64, prompt_block_share=share)
+        first = make_request("first", list(range(1, 17)), 2)  # 4 blocks + 1 for output
+        second = make_request("second", list(range(30, 42)), 2)  # 3 blocks
+        sched.add_request(first)
+        sched.add_request(second)
+        out = sched.schedule()
+        admitted = [r.request_id for r, _ in out.scheduled]
+        assert admitted == (["first", "second"] if second_admitted_at_once else ["first"])
+        sched.update(out, [5 if out.samples(i) else None for i in range(len(out.scheduled))])
+        for _ in range(10):  # the second starts once the first is done with its blocks
+            if not sched.has_unfinished_requests():
+                break
+            out = sched.schedule()
+            sched.update(out, [5 if out.samples(i) else None for i in range(len(out.scheduled))])
+        assert not sched.has_unfinished_requests()
+        assert first.num_output_tokens == second.num_output_tokens == 2
+        assert bm.num_free_blocks == 10

@@ -178,6 +178,18 @@ def test_health_answers_while_huge_requests_are_refused(server):
             ids = json.dumps({"prompt": [1] * 1_000_000}).encode()  # ~3 MB of token ids: slow to validate
             statuses.append(c.post(f"{server.url}/v1/completions", content=ids).status_code)
 
+    # The probes' latency with nothing else to do first: on a machine busy with other work this is
+    # already slower, and the bar below is "under 100 ms, or no slower than an idle loop here".
+    quiet_stop = threading.Event()
+    quiet: dict[str, list[float]] = {}
+    quiet_prober = threading.Thread(target=lambda: quiet.setdefault("lat", _health_latencies(server, quiet_stop)))
+    quiet_prober.start()
+    time.sleep(1.0)
+    quiet_stop.set()
+    quiet_prober.join(30)
+    idle = sorted(quiet["lat"])[int(0.9 * (len(quiet["lat"]) - 1))]
+    bar = max(0.1, 3 * idle)
+
     stop = threading.Event()
     result: dict[str, list[float]] = {}
     prober = threading.Thread(target=lambda: result.setdefault("lat", _health_latencies(server, stop)))
@@ -193,8 +205,8 @@ def test_health_answers_while_huge_requests_are_refused(server):
     assert len(latencies) >= 5
     # the client thread shares this machine's cores with the server: one slow probe is noise,
     # a frozen loop shows as many (before, /health took 29 s during one such request)
-    slow = [x for x in latencies if x > 0.1]
-    assert len(slow) <= max(1, len(latencies) // 10), (sorted(latencies)[-5:], elapsed)
+    slow = [x for x in latencies if x > bar]
+    assert len(slow) <= max(1, len(latencies) // 10), (sorted(latencies)[-5:], elapsed, bar)
 
 
 def _open_stream(server, path="/v1/completions"):
