@@ -130,10 +130,29 @@ def _load_qkv(quantizer, rng, hidden=256, head_dim=32, heads=8, kv_heads=2, bias
     return layer, floats
 
 
+#: Largest relative error of the quantized Q/K/V layer against the float layer, on the inputs of
+#: the test below (seeds 4 and 5). Measured on 2026-12-02 with Paddle 3.3.1's CPU build, the same
+#: for the reference ops and the cpu kernels: block_wise_fp8 0.02305, w4a8 0.11203, w8a8 0.00891,
+#: wint4 0.10575, wint4_sym_g32 0.09964, wint8 0.00584, wint8_g64 0.00577. Each bound is about 8%
+#: above its measurement, so a method that loses precision (a coarser group, a code step too
+#: wide, an offset dropped) fails here; the classes' own ``expected_error`` is the looser promise
+#: the conformance kit holds a chip to.
+ERROR_BOUNDS = {
+    "block_wise_fp8": 0.025,
+    "w4a8": 0.121,
+    "w8a8": 0.0097,
+    "wint4": 0.114,
+    "wint4_sym_g32": 0.108,
+    "wint8": 0.0063,
+    "wint8_g64": 0.0062,
+}
+
+
 @pytest.mark.parametrize("name", sorted(METHODS))
 @pytest.mark.parametrize("ops_cls", [ReferenceOps, CpuOps], ids=["reference", "kernels"])
 def test_quantized_layer_is_close_to_the_float_layer(name, ops_cls, cpu_kernels):
     quantizer = METHODS[name]()
+    assert ERROR_BOUNDS[name] <= quantizer.expected_error, "the class promises less than the method measures"
     layer, floats = _load_qkv(quantizer, np.random.default_rng(4), bias=True)
     assert layer.quant_method is quantizer
     x = paddle.to_tensor(gaussian(np.random.default_rng(5), (7, 256)))
@@ -141,7 +160,7 @@ def test_quantized_layer_is_close_to_the_float_layer(name, ops_cls, cpu_kernels)
     y = layer(x).numpy()
     y_float = floats(x).numpy()
     err = rel(y, y_float)
-    assert err <= quantizer.expected_error, f"{name}: {err}"
+    assert err <= ERROR_BOUNDS[name], f"{name}: relative error {err:.5f}, measured bound {ERROR_BOUNDS[name]}"
     assert err > 1e-5, "a quantized layer that equals the float layer did not quantize"
 
 
