@@ -1,9 +1,17 @@
-"""The conformance kit: passes on cpu and on every chip plugin's ops run on the CPU place,
-and fails on the example plugin's deliberately broken RMSNorm (so the kit can fail)."""
+"""The conformance kit: passes on cpu and on the chip plugins' ops run on the CPU place, and
+fails on the example plugin's deliberately broken RMSNorm (so the kit can fail).
+
+The seven chip ops classes share their code (each adds declarations to ``FusedOps``), so the
+kit's op, attention, generation and quantization checks run once per distinct ops code on the
+CPU place, over every attention backend and quantization method the chips sharing it declare;
+what differs per chip (its declared methods, backends, dtypes and expected kernels) is checked
+per chip."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +19,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import pytest  # noqa: E402
 
+from fastdeploy_core.devices.fused_ops import FusedOps  # noqa: E402
+from fastdeploy_core.devices.kernels import registered_kernels  # noqa: E402
 from fastdeploy_core.plugins import load_plugins  # noqa: E402
 from fastdeploy_core.testing import checks  # noqa: E402
 
@@ -22,29 +32,33 @@ def manager():
     return load_plugins()
 
 
-def _run_all_checks(target) -> list[str]:
-    """Every check of the kit on ``target``; returns the skip reasons (failures raise)."""
+def _run_all_checks(target, backends=None, methods=None) -> list[str]:
+    """Every check of the kit on ``target``; returns the skip reasons (failures raise).
+
+    ``backends``/``methods``: (device, name) pairs to run instead of the target device's own,
+    for a run that stands for several devices sharing one ops class."""
     skipped = []
 
     def run(fn, *args):
         try:
-            fn(target, *args)
+            fn(*args)
         except checks.CheckSkipped as exc:
             skipped.append(str(exc))
 
-    run(checks.check_declaration)
-    run(checks.check_attention_backend_selection)
-    run(checks.check_detection)
-    run(checks.check_memory_info)
+    run(checks.check_declaration, target)
+    run(checks.check_attention_backend_selection, target)
+    run(checks.check_detection, target)
+    run(checks.check_memory_info, target)
+    backends = backends or [(target, b) for b in target.device.attention_backends]
     for dtype in target.dtypes:
         for op in checks.OPS:
-            run(checks.check_op, op, dtype)
+            run(checks.check_op, target, op, dtype)
         for scenario in checks.ATTENTION_SCENARIOS:
-            for backend in target.device.attention_backends:
-                run(checks.check_paged_attention, scenario, backend, dtype)
-    run(checks.check_generation)
-    for method in target.device.quantization_methods:
-        run(checks.check_quantization_method, method)
+            for backend_target, backend in backends:
+                run(checks.check_paged_attention, backend_target, scenario, backend, dtype)
+    run(checks.check_generation, target)
+    for method_target, method in methods or [(target, m) for m in target.device.quantization_methods]:
+        run(checks.check_quantization_method, method_target, method)
     return skipped
 
 
@@ -54,15 +68,121 @@ def test_kit_passes_on_the_cpu_device(manager):
     assert _run_all_checks(target) == []
 
 
+def ops_code(ops_class: type) -> tuple:
+    """What an ops class computes: for every method (private helpers too), the class that defines
+    it. Two ops classes with equal ``ops_code`` run the same code; declarations (tuples such as
+    ``attention_backends``) are left out, they are checked per device."""
+    code = []
+    for name in dir(ops_class):
+        if name.startswith("__"):
+            continue
+        value = inspect.getattr_static(ops_class, name)
+        if isinstance(value, (staticmethod, classmethod, property)) or inspect.isfunction(value):
+            definer = next(k for k in ops_class.__mro__ if name in vars(k))
+            code.append((name, f"{definer.__module__}.{definer.__qualname__}"))
+    return tuple(code)
+
+
+def _chips_by_ops_code(manager) -> dict[tuple, list]:
+    groups: dict[tuple, list] = {}
+    for name in CHIPS:
+        device = manager.devices.get(name)
+        groups.setdefault(ops_code(device.ops_class), []).append(device)
+    return groups
+
+
+def test_ops_code_tells_an_override_apart(manager):
+    """The grouping below may merge two chips only when their ops run the same code."""
+    from fd_nvidia.ops import NvidiaOps
+
+    class OwnSilu(NvidiaOps):
+        def silu_and_mul(self, x):
+            return super().silu_and_mul(x)
+
+    class OwnBackends(NvidiaOps):
+        attention_backends = ("paged_reference",)
+
+    assert ops_code(NvidiaOps) == ops_code(FusedOps) == ops_code(OwnBackends)
+    differs = {a for a, b in zip(ops_code(OwnSilu), ops_code(NvidiaOps)) if a != b}
+    assert differs == {("silu_and_mul", f"{__name__}.{OwnSilu.__qualname__}")}
+
+
+def test_kit_passes_once_per_distinct_chip_ops_code_on_the_cpu_place(manager):
+    """Ops, paged attention (every backend one of the chips declares), generation and every
+    declared quantization method, once per distinct ops code: today all seven chips add only
+    declarations to ``FusedOps``, so this is one run, not seven of the same code."""
+    groups = _chips_by_ops_code(manager)
+    assert sum(len(g) for g in groups.values()) == len(CHIPS)
+    for devices in groups.values():
+        targets = [checks.make_target(d, place="cpu") for d in devices]
+        backends = {b: t for t in targets for b in t.device.attention_backends}
+        methods = {m: t for t in targets for m in t.device.quantization_methods}
+        skipped = _run_all_checks(
+            targets[0],
+            backends=[(t, b) for b, t in sorted(backends.items())],
+            methods=[(t, m) for m, t in sorted(methods.items())],
+        )
+        # Only the memory check needs the chip; every declared method is registered and ran.
+        assert skipped == [f"{devices[0].name} is not available here, so its memory cannot be read"], skipped
+
+
+_KERNEL_CHOICE = re.compile(r"^(?:fused (\S+)|reference \(no (\S+) kernel for .+\))$")
+
+
+def _kernels_asked(device) -> dict[str, set[str]]:
+    """Every op of the kit run once through ``device``'s ops class on the CPU place in float32;
+    kernel name -> what the ops chose ("fused" / "reference") each time they asked for it."""
+    made = []
+
+    class Recording(device.ops_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    target = checks.make_target(device, ops_class=Recording, place="cpu")
+    for op in checks.OPS:
+        checks.check_op(target, op, "float32")
+    asked: dict[str, set[str]] = {}
+    for ops in made:
+        for choice in ops.kernel_choices.values():
+            fused, missing = _KERNEL_CHOICE.match(choice).groups()
+            asked.setdefault(fused or missing, set()).add("fused" if fused else "reference")
+    return asked
+
+
 @pytest.mark.parametrize("name", CHIPS)
-def test_kit_passes_on_each_chip_plugins_cpu_code_paths(manager, name):
+def test_what_each_chip_declares_is_what_its_ops_and_the_registry_offer(manager, name):
+    """Per chip: its declaration and attention backend selection; its dtypes (only float32 can be
+    computed on the CPU place); each declared quantization method is registered (so the run above
+    executed it instead of skipping); each expected kernel is one its ops really ask Paddle's
+    registry for, and ran fused wherever this Paddle registers it for CPU float32."""
+    from fastdeploy_core.plugins import get_plugin_manager
+
     device = manager.devices.get(name)
     target = checks.make_target(device, place="cpu")
-    assert target.ops_class is device.ops_class and not target.on_device and target.dtypes == ("float32",)
-    skipped = _run_all_checks(target)
-    # Only what needs the chip or the later quantization work may be skipped.
-    assert any("memory cannot be read" in s for s in skipped)
-    assert all("memory cannot be read" in s or "quantiz" in s for s in skipped), skipped
+    assert target.ops_class is device.ops_class and not target.on_device
+    assert target.dtypes == ("float32",) and "float32" in device.supported_dtypes
+    checks.check_declaration(target)
+    checks.check_attention_backend_selection(target)
+    checks.check_detection(target)
+    with pytest.raises(checks.CheckSkipped, match="memory cannot be read"):
+        checks.check_memory_info(target)
+    registered = set(get_plugin_manager().quantizers.keys())
+    assert set(device.quantization_methods) <= registered, (
+        f"{name} declares {sorted(set(device.quantization_methods) - registered)}, which no plugin registers"
+    )
+    expected = device.ops_class.expected_kernels
+    if not expected:
+        with pytest.raises(checks.CheckSkipped, match="declares no expected_kernels"):
+            checks.check_expected_kernels(target)
+        return
+    with pytest.raises(checks.CheckSkipped, match="kernels of the chip not checkable"):
+        checks.check_expected_kernels(target)
+    asked = _kernels_asked(device)
+    assert set(expected) <= set(asked), f"{name} expects {sorted(set(expected) - set(asked))}, which no op asks for"
+    on_cpu = {k for k in expected if ("cpu", "float32") in registered_kernels().get(k, ())}
+    for kernel in expected:
+        assert asked[kernel] == ({"fused"} if kernel in on_cpu else {"reference"}), (kernel, asked[kernel])
 
 
 def test_kit_refuses_a_device_it_cannot_reach(manager):

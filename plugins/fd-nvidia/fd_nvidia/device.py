@@ -16,8 +16,10 @@ class NvidiaGpu(PaddleBuiltinDevice):
     supported_dtypes = ("bfloat16", "float16", "float32")
     dist_backend = "nccl"
     supports_graph_capture = True  # CUDA graphs: paddle.device.cuda.graphs
-    # FastDeploy docs/quantization/README.md lists these for "GPU" (block_wise_fp8: Hopper).
-    quantization_methods = ("wint8", "wint4", "block_wise_fp8", "wint2", "mix_quant")
+    # FastDeploy docs/quantization/README.md lists these for "GPU" (block_wise_fp8: Hopper), and wint2,
+    # which is not declared: it loads only checkpoints compressed offline with CCQ (convolutional coding,
+    # MoE weights), a format no method here reads.
+    quantization_methods = ("wint8", "wint4", "block_wise_fp8", "mix_quant")
     attention_backends = NvidiaOps.attention_backends
     package = "fd-nvidia"
     ops_class = NvidiaOps
