@@ -8,6 +8,7 @@ field, the value given and what is allowed.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -49,12 +50,40 @@ class ModelConfig(_Section):
     seed: int = Field(0, ge=0, le=2**63 - 1)
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_BYTE_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_byte_size(value: Any) -> Any:
+    """``"2GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"1073741824"`` -> bytes (an int); other values pass
+    through for pydantic to judge. Decimal units (kB, MB, GB, TB) are powers of 1000, binary
+    ones (KiB, MiB, GiB, TiB) powers of 1024, as their names say."""
+    if not isinstance(value, str):
+        return value
+    match = _BYTE_SIZE.fullmatch(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _BYTE_UNITS:
+        raise ValueError(
+            f"got {value!r}; give bytes as a number with an optional unit: 2GiB, 512MiB, 1.5GB, 1073741824"
+        )
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
+
+
 class CacheConfig(_Section):
-    """Paged KV cache sizing and prefix caching."""
+    """Paged KV cache sizing and prefix caching.
+
+    Size, one of: ``num_gpu_blocks_override`` (blocks), ``kv_cache_memory`` (bytes),
+    ``gpu_memory_utilization`` (a share of free device memory), or none: the device's default
+    budget (``Device.default_kv_budget``).
+    """
 
     block_size: int = Field(64, ge=1, le=1024)
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0.0, le=1.0, description="share of free device memory; None: the device's default KV budget"
+    )
     num_gpu_blocks_override: int | None = Field(None, ge=1)
+    kv_cache_memory: int | None = Field(None, ge=1, description="exact KV cache bytes (2GiB, 512MiB, bytes)")
     kv_cache_ratio: float | None = Field(
         None,
         gt=0.0,
@@ -64,6 +93,25 @@ class CacheConfig(_Section):
     )
     enable_prefix_caching: bool = True
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        return parse_byte_size(value)
+
+    @model_validator(mode="after")
+    def _one_size(self) -> "CacheConfig":
+        given = [
+            f"{name}={getattr(self, name)}"
+            for name in ("num_gpu_blocks_override", "kv_cache_memory", "gpu_memory_utilization")
+            if getattr(self, name) is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(
+                f"the KV cache size is given twice ({', '.join(given)}); keep one: blocks "
+                "(--num-gpu-blocks-override), bytes (--kv-cache-memory) or a share (--gpu-memory-utilization)"
+            )
+        return self
 
 
 class SchedulerConfig(_Section):

@@ -44,6 +44,22 @@ class MemoryInfo:
     free_bytes: int
 
 
+#: FastDeploy's default ``--gpu-memory-utilization``: the share of a device's own memory the engine
+#: may fill, used when the device keeps memory of its own and the user gave no share.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """What :meth:`Device.default_kv_budget` chose: ``bytes`` for the KV cache and ``rule``, one
+    sentence naming the rule and its numbers (the engine logs it beside the block count)."""
+
+    bytes: int
+    rule: str
+
+
 class Device:
     """Base class of every device. Subclasses are registered through ``register_devices``.
 
@@ -64,6 +80,13 @@ class Device:
     #: Environment Paddle's collective layer needs for this device, e.g. custom devices set
     #: ``PADDLE_XCCL_BACKEND`` to their device type so ``xccl`` loads the vendor's library.
     dist_env: ClassVar[dict[str, str]] = {}
+    #: Whether the device computes in the host's RAM (the cpu; integrated chips that share it).
+    #: Memory there is everyone's: the default KV budget is then a modest share of what is
+    #: available (see :meth:`default_kv_budget`), not FastDeploy's 90% of a card of its own.
+    memory_shared_with_host: ClassVar[bool] = False
+    #: On a device that shares the host's memory: the share of available memory the default KV
+    #: budget may take.
+    host_kv_share: ClassVar[float] = 0.25
     #: Whether the decode step can be captured as a graph on this device.
     supports_graph_capture: ClassVar[bool] = False
     #: Quantization method names (registry names) this device runs.
@@ -90,6 +113,58 @@ class Device:
     def memory_info(cls, index: int = 0) -> MemoryInfo:
         """Total and free memory of device ``index``."""
         raise NotImplementedError(f"{cls.__name__}.memory_info must be implemented by the plugin")
+
+    @classmethod
+    def default_kv_budget(
+        cls,
+        *,
+        free_bytes: int,
+        activation_bytes: int,
+        sequence_bytes: int,
+        max_num_seqs: int,
+        gpu_memory_utilization: float | None = None,
+    ) -> KVBudget:
+        """The KV cache bytes to allocate when the user gave no exact size.
+
+        ``free_bytes`` is the device memory free after the weights loaded, ``activation_bytes``
+        the estimate of one step's temporaries, ``sequence_bytes`` what one ``max_model_len``
+        sequence's KV needs. Never more than ``max_num_seqs`` such sequences: the scheduler
+        cannot run more at once, so blocks beyond that would only hold prefix cache.
+
+        * Memory of its own (GPU-like; FastDeploy's rule): ``gpu_memory_utilization`` (default
+          0.9) of the free memory, minus the activations. Nothing else lives on the card.
+        * Memory shared with the host, no ``gpu_memory_utilization`` given: ``host_kv_share``
+          (25%) of the available RAM, and never less than one ``max_model_len`` sequence when
+          RAM has room for it. RAM is shared with the OS, the page cache, the API server and
+          whatever else runs; a quarter leaves three quarters to them, and on a 24 GB host
+          running a 135M model it still holds ~14 full 8k-token sequences (the 90% rule took 19
+          GB that the process's RSS then grew into under load). Asking for more is one flag
+          (``--kv-cache-memory``, or ``--gpu-memory-utilization`` for the share rule above).
+
+        A budget below one sequence is returned as is: the caller refuses it with the numbers.
+        """
+        wanted = sequence_bytes * max_num_seqs
+        wanted_text = f"{max_num_seqs} sequences of max_model_len need {wanted / _MiB:.0f} MiB"
+        if cls.memory_shared_with_host and gpu_memory_utilization is None:
+            share = int(free_bytes * cls.host_kv_share)
+            budget = min(wanted, share)
+            rule = (
+                f"{cls.name} memory is the host's: the smaller of {cls.host_kv_share:.0%} of "
+                f"{free_bytes / _MiB:.0f} MiB available after the weights ({share / _MiB:.0f} MiB) and what "
+                f"{wanted_text}"
+            )
+            if budget < sequence_bytes <= free_bytes - activation_bytes:
+                budget = sequence_bytes
+                rule += f", raised to one max_model_len sequence ({sequence_bytes / _MiB:.0f} MiB)"
+            return KVBudget(budget, rule + "; set --kv-cache-memory for an exact size")
+        utilization = DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
+        room = max(0, int(free_bytes * utilization) - activation_bytes)
+        return KVBudget(
+            min(wanted, room),
+            f"--gpu-memory-utilization {utilization} of {free_bytes / _MiB:.0f} MiB free {cls.name} memory after "
+            f"the weights, minus {activation_bytes / _MiB:.0f} MiB for activations ({room / _MiB:.0f} MiB), at most "
+            f"what {wanted_text}",
+        )
 
     @classmethod
     def paddle_place(cls, index: int = 0) -> str:
@@ -160,6 +235,7 @@ class Device:
             "supported_dtypes": list(cls.supported_dtypes),
             "dist_backend": cls.dist_backend,
             "dist_env": dict(cls.dist_env),
+            "memory_shared_with_host": cls.memory_shared_with_host,
             "supports_graph_capture": cls.supports_graph_capture,
             "quantization_methods": list(cls.quantization_methods),
             "attention_backends": list(cls.attention_backends),

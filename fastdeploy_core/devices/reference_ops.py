@@ -15,6 +15,10 @@ the identity of the step's tensors), not once per layer.
 
 from __future__ import annotations
 
+import atexit
+import sys
+import weakref
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -42,6 +46,29 @@ def _cache_view(cache: paddle.Tensor, name: str, keep_dims: int) -> paddle.Tenso
     return view
 
 
+#: Graphs that still hold something a device must free (see :func:`release_captured_graphs`).
+_LIVE_GRAPHS: "weakref.WeakSet[CapturedGraph]" = weakref.WeakSet()
+_exit_hook_registered = False
+
+
+def release_captured_graphs() -> int:
+    """Release every captured graph still alive; returns how many were released.
+
+    Runs at interpreter exit (an ``atexit`` hook registered with the first graph that holds
+    anything). A graph left for the garbage collector is otherwise released during the
+    interpreter's teardown, after the framework has dismantled its eager mode: the kernel call
+    then fails inside C++ and the process aborts (status 134) after the script's work is done.
+    ``atexit`` hooks run last-registered first, so this one, registered after Paddle's import
+    registered its own, runs while Paddle is whole.
+    """
+    released = 0
+    for graph in list(_LIVE_GRAPHS):
+        if graph._release is not None:
+            graph.release()
+            released += 1
+    return released
+
+
 class CapturedGraph:
     """What :meth:`ReferenceOps.capture_graph` returns: the capture run's ``output`` and, when
     ``ok``, a way to run the same work again into the same output tensor."""
@@ -49,6 +76,7 @@ class CapturedGraph:
     def __init__(
         self, output, replay_fn=None, reason: str = "", release_fn=None, *, planned=True, arena_bytes=0, state=None
     ):
+        global _exit_hook_registered
         self.output = output
         self.reason = reason
         #: Bytes the graph keeps for its intermediate results (0 if unknown or none).
@@ -61,6 +89,11 @@ class CapturedGraph:
         self.state = state
         self._replay = replay_fn
         self._release = release_fn
+        if release_fn is not None:
+            _LIVE_GRAPHS.add(self)
+            if not _exit_hook_registered:
+                atexit.register(release_captured_graphs)
+                _exit_hook_registered = True
 
     @property
     def ok(self) -> bool:
@@ -76,17 +109,21 @@ class CapturedGraph:
     def release(self) -> None:
         """Free what the graph holds (its buffers, and its references to the weights and caches
         it read); it cannot be replayed afterwards."""
-        if self._release is not None:
-            self._release()
-        self._replay = self._release = None
+        release, self._replay, self._release = self._release, None, None
+        _LIVE_GRAPHS.discard(self)
+        if release is not None:
+            release()
 
     def __del__(self):
         # A device keeps captured work in its own registry (the cpu kernels' closures hold the
         # model's weights): dropping the graph must free it, or every engine a process creates
-        # would keep its model alive.
+        # would keep its model alive. Not once the interpreter is finalizing: the exit hook has
+        # released every graph by then, and the framework may no longer take the call.
+        if sys.is_finalizing():
+            return
         try:
             self.release()
-        except Exception:  # noqa: BLE001 - at interpreter exit the kernels may be gone already
+        except Exception:  # noqa: BLE001 - a destructor must not raise
             pass
 
 

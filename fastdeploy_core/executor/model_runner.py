@@ -12,11 +12,13 @@ weights), sizes and allocates the paged KV cache, and executes one
   decodes this step (plus all prompt rows of requests asking for ``prompt_logprobs``);
 * the :class:`~fastdeploy_core.executor.sampler.Sampler` picks the tokens.
 
-KV cache size: ``--num-gpu-blocks-override`` if given; else ``gpu_memory_utilization`` of the
-device's free memory measured after the weights are loaded, minus an activation estimate for
-one step of ``max_num_batched_tokens`` tokens. It is capped at what ``max_num_seqs`` sequences
-of ``max_model_len`` tokens can use. On the cpu the cache is zero-initialised lazily (pages are
-committed by the OS when first written), so a large budget costs RAM only as it fills.
+KV cache size: ``--num-gpu-blocks-override`` blocks or ``--kv-cache-memory`` bytes if given;
+else the device's default budget (``Device.default_kv_budget``), measured against the memory
+free after the weights load: a share of the host's RAM on devices that share it (the cpu),
+``gpu_memory_utilization`` of the card's memory minus an activation estimate on devices with
+their own; never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens. On the cpu the
+cache is zero-initialised lazily (pages are committed by the OS when first written), so the
+budget is the most the cache's RAM can grow to, reached as it fills.
 """
 
 from __future__ import annotations
@@ -169,6 +171,10 @@ class ModelRunner:
         return _DTYPE_BYTES * (tokens * per_token + scores + logits)
 
     def _determine_num_blocks(self) -> int:
+        """Blocks for the KV cache: ``--num-gpu-blocks-override`` blocks, ``--kv-cache-memory``
+        bytes, or the device's default budget (:meth:`Device.default_kv_budget`, which reads
+        ``--gpu-memory-utilization`` if given). Refused with the numbers when one
+        ``max_model_len`` sequence does not fit; one log line says what was chosen and why."""
         cache = self.args.cache
         needed = -(-self.max_model_len // self.block_size)
         per_block = self.bytes_per_block
@@ -178,29 +184,46 @@ class ModelRunner:
         else:
             mem = self.device_cls.memory_info()
             activation = self.activation_bytes()
-            budget = int(mem.free_bytes * cache.gpu_memory_utilization) - activation
-            num_blocks = max(0, budget // per_block)
-            cap = needed * self.args.scheduler.max_num_seqs
-            num_blocks = min(num_blocks, cap)
-            how = (
-                f"--gpu-memory-utilization {cache.gpu_memory_utilization} of {mem.free_bytes / _MiB:.0f} MiB free "
-                f"{self.device_cls.name} memory after the weights, minus {activation / _MiB:.0f} MiB for activations"
-            )
+            if cache.kv_cache_memory is not None:
+                room = mem.free_bytes - activation
+                if cache.kv_cache_memory > room:
+                    raise OutOfKVCacheError(
+                        f"--kv-cache-memory {cache.kv_cache_memory / _MiB:.1f} MiB is more than the "
+                        f"{self.device_cls.name} device has: {mem.free_bytes / _MiB:.0f} MiB free after the weights, "
+                        f"minus {activation / _MiB:.0f} MiB for activations, leaves {room / _MiB:.0f} MiB; give at most "
+                        "that, or lower --max-num-batched-tokens",
+                        param="kv_cache_memory",
+                    )
+                budget_bytes = cache.kv_cache_memory
+                how = f"--kv-cache-memory {budget_bytes} bytes"
+            else:
+                budget = self.device_cls.default_kv_budget(
+                    free_bytes=mem.free_bytes,
+                    activation_bytes=activation,
+                    sequence_bytes=needed * per_block,
+                    max_num_seqs=self.args.scheduler.max_num_seqs,
+                    gpu_memory_utilization=cache.gpu_memory_utilization,
+                )
+                budget_bytes, how = budget.bytes, budget.rule
+            num_blocks = max(0, budget_bytes // per_block)
         if num_blocks < needed:
             fits = num_blocks * self.block_size
             raise OutOfKVCacheError(
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens ({fits} tokens, "
                 f"{num_blocks * per_block / _MiB:.1f} MiB, from {how}) but one sequence of max_model_len="
                 f"{self.max_model_len} needs {needed} blocks ({needed * per_block / _MiB:.1f} MiB); lower "
-                f"--max-model-len to at most {fits}, or give the cache more room: raise "
-                "--gpu-memory-utilization or --num-gpu-blocks-override, or lower --max-num-batched-tokens",
-                param="max_model_len",
+                f"--max-model-len to at most {fits}, or give the cache more room: --kv-cache-memory "
+                f"{needed * per_block} (bytes) or more, or --num-gpu-blocks-override {needed} or more",
+                param="kv_cache_memory" if cache.kv_cache_memory is not None else "max_model_len",
             )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB), %s",
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens, %.1f sequences of max_model_len %d), from %s",
             num_blocks,
             self.block_size,
             num_blocks * per_block / _MiB,
+            num_blocks * self.block_size,
+            num_blocks / needed,
+            self.max_model_len,
             how,
         )
         return int(num_blocks)

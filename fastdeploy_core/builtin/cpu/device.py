@@ -27,6 +27,7 @@ class CpuDevice(Device):
     priority = 0
     supported_dtypes = ("float32",)  # Paddle's CPU build registers float32 matmul only
     dist_backend = "gloo"
+    memory_shared_with_host = True  # the KV cache is RAM the OS and every other process need too
     supports_graph_capture = True  # CpuOps.capture_graph records the C++ kernels (refused without them)
     attention_backends = ("paged_reference",)
     # Each runs through a C++ kernel reading the compact weights (reference path if it cannot build).
