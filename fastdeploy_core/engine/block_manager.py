@@ -10,6 +10,17 @@ whole prefix matched. Blocks are reference counted; a block whose count drops to
 the free queue but keeps its contents and hash until it is reused, so a later request with the
 same prefix can revive it. The free queue is LRU: blocks without a hash are reused first, then
 cached blocks from the least recently freed one.
+
+Order of reuse, and what it does to memory. The queue holds, front to back: freed blocks
+without a hash (used, nothing worth keeping), never-used blocks, then cached blocks, least
+recently freed first. So a block is touched for the first time only when no used block is free
+without a cache entry, and a cached prefix is evicted only when no never-used block is left.
+Evicting cached blocks before touching new ones would keep the committed memory lower while
+the cache is filling, but it would throw away prefix hits to save memory the budget already
+allows; the bound on memory is the budget (``num_blocks``, chosen by the device's rule or the
+user), which the cache reaches and then stops at: ``num_touched_blocks`` never exceeds it, and
+on devices whose cache pages are committed on first write (the cpu) that is the KV memory the
+process holds.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None
+    touched: bool = False  # handed out at least once (its memory is committed on lazy devices)
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -53,6 +65,8 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already registered
+        #: Distinct blocks ever handed out: the high-water mark of the cache's committed memory.
+        self.num_touched_blocks = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_queries = 0
@@ -171,6 +185,9 @@ class BlockManager:
                     del self._cached[block.block_hash]
                 block.block_hash = None
                 block.token_ids = None
+            if not block.touched:
+                block.touched = True
+                self.num_touched_blocks += 1
             block.ref_count = 1
             req.block_table.append(block_id)
 

@@ -226,6 +226,7 @@ class ModelRunner:
             self.max_model_len,
             how,
         )
+        self.kv_cache_rule = how
         return int(num_blocks)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
@@ -356,6 +357,8 @@ class ModelRunner:
             "block_size": self.block_size,
             "num_gpu_blocks": self.num_blocks,
             "kv_cache_bytes": self.num_blocks * self.bytes_per_block,
+            "kv_cache_rule": self.kv_cache_rule,
+            "activation_bytes": self.activation_bytes(),
             "kv_cache_spec": {"num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim},
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "vocab_size": self.vocab_size,

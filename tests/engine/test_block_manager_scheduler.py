@@ -68,6 +68,33 @@ def test_lru_evicts_uncached_then_oldest_cached():
     bm.check_invariants([b])
 
 
+def test_used_blocks_before_new_ones_and_new_ones_before_cached():
+    """The committed KV memory grows only when no used block is free (see the module docstring),
+    and a cached prefix survives while never-used blocks remain."""
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5], 1)
+    bm.allocate(a, 5)
+    a.num_computed_tokens = 5
+    bm.cache_full_blocks(a)  # blocks 0, 1 cached; block 2 partial
+    bm.free(a)
+    assert bm.num_touched_blocks == 3
+    for i in range(10):  # short requests one after another reuse the freed partial block
+        r = make_request(f"r{i}", [7], 1)
+        assert bm.allocate(r, 1)
+        assert r.block_table == [2]
+        bm.free(r)
+    assert bm.num_touched_blocks == 3
+    b = make_request("b", [9] * 6, 1)
+    assert bm.allocate(b, 6)
+    assert b.block_table == [2, 3, 4]  # never-used blocks before the cached prefix
+    assert len(bm.find_cached_blocks(make_request("c", [1, 2, 3, 4, 5], 1))) == 2
+    d = make_request("d", [8] * 6, 1)
+    assert bm.allocate(d, 6)
+    assert d.block_table == [5, 1, 0]  # then the cache, its newest-in-chain block first
+    assert bm.num_touched_blocks == bm.num_blocks == 6
+    bm.check_invariants([b, d])
+
+
 def test_free_twice_is_detected():
     bm = BlockManager(num_blocks=2, block_size=2)
     a = make_request("a", [1, 2, 3], 1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -277,4 +278,13 @@ def run_server(engine_args: EngineArgs, server: ServerConfig, log_level: str = "
         timeout_graceful_shutdown=5,
         access_log=False,
     )
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the
+    # handlers that were in place before it started; with the defaults that kills the process
+    # (status -15) after a clean shutdown. A stop that was asked for is a clean exit: status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_cleanly)
     uvicorn.Server(config).run()
+
+
+def _exit_cleanly(signum: int, frame) -> None:
+    raise SystemExit(0)
