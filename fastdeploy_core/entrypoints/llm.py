@@ -3,7 +3,7 @@
 ::
 
     llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
-    llm = LLM(model="path/to/hf-dir-or.gguf", max_num_seqs=16, num_gpu_blocks_override=256)
+    llm = LLM(model="path/to/hf-dir-or.gguf", max_num_seqs=16, kv_cache_memory="1GiB")
     outs = llm.generate(["Hello", "The sky is"], SamplingParams(temperature=0, max_tokens=32))
     outs[0].outputs[0].text
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}])
@@ -22,13 +22,17 @@ from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.engine.llm_engine import LLMEngine
 from fastdeploy_core.engine.outputs import RequestOutput
 from fastdeploy_core.engine.sampling_params import SamplingParams
-from fastdeploy_core.errors import InvalidRequestError
+from fastdeploy_core.errors import EngineDeadError, InvalidRequestError
 
 PromptType = str | list[int] | dict
 
 
 class LLM:
-    """An in-process engine with a batch ``generate`` and a ``chat`` helper."""
+    """An in-process engine with a batch ``generate`` and a ``chat`` helper.
+
+    ``close()`` (or ``with LLM() as llm:``) frees the model, its KV cache and captured decode
+    steps at once; without it they go when the object is collected, or at interpreter exit.
+    """
 
     def __init__(self, model: str | None = None, **engine_args: Any):
         self.engine_args = EngineArgs.create(model=model, **engine_args)
@@ -41,6 +45,30 @@ class LLM:
         llm.engine_args = args
         llm.engine = LLMEngine(args)
         return llm
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The in-process engine; a closed LLM says so instead of failing somewhere inside."""
+        engine = self.__dict__.get("_engine")
+        if engine is None:
+            raise EngineDeadError("this LLM was closed; create a new LLM(...) to generate again")
+        return engine
+
+    @engine.setter
+    def engine(self, value: LLMEngine) -> None:
+        self._engine = value
+
+    def close(self) -> None:
+        """Free the engine's memory now: captured decode steps, KV cache, weights. Idempotent."""
+        engine = self.__dict__.pop("_engine", None)
+        if engine is not None:
+            engine.core.runner.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

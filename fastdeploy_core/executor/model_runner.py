@@ -124,6 +124,16 @@ class ModelRunner:
         sizes = graph_opt.cudagraph_capture_sizes or range(1, max_seqs + 1)
         return DecodeGraphs(self.model, self.ops, self.kv_caches, sizes, self.max_model_len, self.block_size)
 
+    def close(self) -> None:
+        """Free the captured decode steps, the KV cache and the weights now, not whenever the
+        garbage collector gets to them (a process building several engines holds one at a
+        time). The runner cannot execute afterwards. Safe to call twice."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        self.kv_caches = []
+        self.model = None
+
     def _resolve_model_class(self, pm):
         from fastdeploy_core.plugins import import_target
 
