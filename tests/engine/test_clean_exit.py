@@ -9,39 +9,9 @@ cannot see that, so each case here is a subprocess.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 
-#: What a clean exit never prints: Python tracebacks and unraisable-exception reports,
-#: C++ terminate messages, Paddle's fatal-signal banner.
-TEARDOWN_NOISE = (
-    "Traceback",
-    "Exception ignored",
-    "terminate called",
-    "EnforceNotMet",
-    "FatalError",
-    "Error Message Summary",
-    "Segmentation fault",
-    "core dumped",
-)
-
-
-def run_script(source: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``source`` as ``python -c`` in a fresh interpreter with this checkout's environment."""
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-def assert_clean_exit(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-3000:]}"
-    noise = [marker for marker in TEARDOWN_NOISE if marker in proc.stderr]
-    assert not noise, f"teardown noise {noise} on stderr:\n{proc.stderr[-3000:]}"
+from tests.support.clean_exit import assert_clean_exit, run_script
 
 
 @pytest.mark.slow
