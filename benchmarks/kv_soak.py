@@ -48,11 +48,43 @@ OVERHEAD_BYTES = 1024 * MiB
 LEVEL_SHARE = 0.02
 
 MODEL_NAME = ["default"]  # replaced by the served model name read from /config-info
-WORDS = (
-    "river stone light paper window garden engine market silver winter orange signal harbor "
-    "forest copper lantern meadow valley thunder pocket ladder island mirror candle rocket "
-    "planet violin marble canyon feather bridge compass velvet glacier whistle"
-).split()
+WORDS = [
+    "river",
+    "stone",
+    "light",
+    "paper",
+    "window",
+    "garden",
+    "engine",
+    "market",
+    "silver",
+    "winter",
+    "orange",
+    "signal",
+    "harbor",
+    "forest",
+    "copper",
+    "lantern",
+    "meadow",
+    "valley",
+    "thunder",
+    "pocket",
+    "ladder",
+    "island",
+    "mirror",
+    "candle",
+    "rocket",
+    "planet",
+    "violin",
+    "marble",
+    "canyon",
+    "feather",
+    "bridge",
+    "compass",
+    "velvet",
+    "glacier",
+    "whistle",
+]
 
 
 def free_port() -> int:
@@ -124,8 +156,8 @@ def main() -> None:
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", args.kv_cache_memory]
     log_path = os.path.join(HERE, "results", "kv_soak_server.log")
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)  # the child keeps its own copy
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -154,7 +186,6 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             exit_status = proc.wait()
-        log.close()
 
     weights = int(engine_info.get("weight_bytes") or 0)
     kv = int(engine_info["kv_cache_bytes"])

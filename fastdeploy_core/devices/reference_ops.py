@@ -47,7 +47,7 @@ def _cache_view(cache: paddle.Tensor, name: str, keep_dims: int) -> paddle.Tenso
 
 
 #: Graphs that still hold something a device must free (see :func:`release_captured_graphs`).
-_LIVE_GRAPHS: "weakref.WeakSet[CapturedGraph]" = weakref.WeakSet()
+_LIVE_GRAPHS: weakref.WeakSet[CapturedGraph] = weakref.WeakSet()
 _exit_hook_registered = False
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.engine.llm_engine import LLMEngine
@@ -64,7 +64,7 @@ class LLM:
         if engine is not None:
             engine.core.runner.close()
 
-    def __enter__(self) -> LLM:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info) -> None:

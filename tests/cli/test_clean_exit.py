@@ -35,8 +35,19 @@ def test_chat_ends_cleanly_at_end_of_input():
 @pytest.mark.slow
 def test_bench_latency_exits_cleanly():
     proc = run_cli(
-        "bench", "latency", "--input-len", "8", "--output-len", "4", "--batch-size", "1",
-        "--num-iters-warmup", "0", "--num-iters", "1", *SMALL,
+        "bench",
+        "latency",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--batch-size",
+        "1",
+        "--num-iters-warmup",
+        "0",
+        "--num-iters",
+        "1",
+        *SMALL,
     )
     assert_clean_exit(proc)
     assert "tok/s" in proc.stdout, proc.stdout
@@ -67,12 +78,12 @@ def test_serve_stopped_with_sigterm_exits_zero():
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        body = {"model": "default", "prompt": "Hello", "max_tokens": 4}
-        body["model"] = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+        model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Hello", "max_tokens": 4}
         answer = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
         assert answer.status_code == 200, answer.text
         proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=60)
+        _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()

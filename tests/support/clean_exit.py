@@ -38,6 +38,7 @@ def run_script(source: str, timeout: float = 600) -> subprocess.CompletedProcess
         text=True,
         timeout=timeout,
         env=subprocess_env(),
+        check=False,
     )
 
 
@@ -46,6 +47,7 @@ def run_cli(*args: str, stdin: str | None = None, timeout: float = 600) -> subpr
     return subprocess.run(
         [sys.executable, "-m", "fastdeploy_core.cli", *args],
         input=stdin,
+        check=False,
         capture_output=True,
         text=True,
         timeout=timeout,
