@@ -8,6 +8,7 @@ logprobs and bad input are checked at the engine-core level (no tokenizer needed
 
 from __future__ import annotations
 
+import logging
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -416,3 +417,22 @@ def test_two_engines_in_one_process_each_run_their_own_ops(gqa_model):
     assert int8_core.runner.bytes_per_block < float_core.runner.bytes_per_block / 3
     # int8 rounding this small leaves the greedy tokens of the float cache
     assert alone == float_tokens
+
+
+def test_kv_cache_memory_is_exact_and_refused_when_it_cannot_hold_one_sequence(gqa_model, caplog):
+    path, _ = gqa_model
+    per_block = make_core(path).runner.bytes_per_block
+    with caplog.at_level(logging.INFO, logger="fastdeploy_core.executor.model_runner"):
+        core = make_core(path, num_gpu_blocks_override=None, kv_cache_memory=40 * per_block + 7)
+    assert core.runner.num_blocks == 40 and core.block_manager.num_blocks == 40
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
+    assert lines == [
+        f"KV cache: 40 blocks of 4 tokens ({40 * per_block / (1 << 20):.1f} MiB, 160 tokens, 1.2 sequences of "
+        f"max_model_len 128), from --kv-cache-memory {40 * per_block + 7} bytes"
+    ]
+    with pytest.raises(OutOfKVCacheError) as info:  # 128 tokens need 32 blocks
+        make_core(path, num_gpu_blocks_override=None, kv_cache_memory=31 * per_block)
+    assert info.value.param == "kv_cache_memory"
+    assert f"--kv-cache-memory {32 * per_block} (bytes) or more" in str(info.value)
+    with pytest.raises(OutOfKVCacheError, match="--kv-cache-memory .* MiB is more than the cpu device has"):
+        make_core(path, num_gpu_blocks_override=None, kv_cache_memory="100TiB")
