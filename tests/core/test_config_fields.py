@@ -50,6 +50,7 @@ FIELDS: dict[tuple[str, str], tuple] = {
     ("cache", "block_size"): read(RUNNER, "self.block_size = args.cache.block_size"),
     ("cache", "gpu_memory_utilization"): read(RUNNER, "cache.gpu_memory_utilization"),
     ("cache", "num_gpu_blocks_override"): read(RUNNER, "num_blocks = cache.num_gpu_blocks_override"),
+    ("cache", "kv_cache_memory"): read(RUNNER, "budget_bytes = cache.kv_cache_memory"),
     ("cache", "kv_cache_ratio"): read(CORE, "prompt_block_share=args.cache.kv_cache_ratio"),
     ("cache", "enable_prefix_caching"): read(CORE, "args.cache.enable_prefix_caching"),
     ("cache", "kv_cache_dtype"): read(RUNNER, 'args.cache.kv_cache_dtype == "int8"'),
