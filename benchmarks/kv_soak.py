@@ -193,6 +193,8 @@ def main() -> None:
     rss = [s["engine_rss_mib"] * MiB for s in samples]
     last_third = [s["engine_rss_mib"] * MiB for s in samples if s["t_s"] >= args.duration * 2 / 3]
     growth_last_third = (last_third[-1] - last_third[0]) if len(last_third) > 1 else 0.0
+    last_2min = [s["engine_rss_mib"] * MiB for s in samples if s["t_s"] >= args.duration - 120]
+    growth_last_2min = (last_2min[-1] - last_2min[0]) if len(last_2min) > 1 else 0.0
     cache_line = next((ln for ln in stats.splitlines() if ln.startswith("fastdeploy:gpu_cache_usage_perc")), "")
     result = {
         **run_stamp(),
@@ -211,6 +213,7 @@ def main() -> None:
         "engine_rss_max_mib": round(max(rss) / MiB, 1),
         "engine_rss_final_mib": round(rss[-1] / MiB, 1),
         "engine_rss_growth_last_third_mib": round(growth_last_third / MiB, 1),
+        "engine_rss_growth_last_2min_mib": round(growth_last_2min / MiB, 1),
         "under_bound": max(rss) <= bound,
         "levelled_off": growth_last_third <= LEVEL_SHARE * kv,
         "responses": {str(k): v for k, v in sorted(counts.items(), key=lambda kv_: str(kv_[0]))},
