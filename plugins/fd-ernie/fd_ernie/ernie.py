@@ -158,5 +158,6 @@ class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
             norm_min=float(cfg.get("moe_norm_min", 1e-12)),
             correction_bias=True,
             shared_experts=shared_experts,
+            quant_config=self.quant_config,
             prefix=prefix,
         )

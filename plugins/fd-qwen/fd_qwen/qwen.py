@@ -93,5 +93,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             width,
             scoring="softmax",
             renormalize=bool(cfg.get("norm_topk_prob", False)),
+            quant_config=self.quant_config,
             prefix=prefix,
         )
