@@ -46,8 +46,8 @@ def plugins_command(
         return
     if serving is not None:
         typer.echo(
-            f"model {serving['path']} ({serving['architecture']}): served by the {serving['impl']} "
-            f"implementation ({serving['target']}): {serving['reason']}"
+            f"model {serving['path']} ({serving['architecture']}): served by plugin {serving['plugin']}, "
+            f"the {serving['impl']} implementation ({serving['target']}): {serving['reason']}"
         )
     for row in rows:
         typer.echo(f"{row['name']}  ({row['distribution']} {row['version']})  {row['status']}")
@@ -73,7 +73,21 @@ def _model_serving(manager, model: str, model_impl: str) -> dict:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     name = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
-    return {"path": source.path, "architecture": source.architecture, "impl": impl, "target": name, "reason": why}
+    # The plugin that registered the chosen target: its architecture by name, else the catch-all.
+    plugin = None
+    for registered in (f"{source.architecture} ({impl})", f"* ({impl})"):
+        plugin = plugin or next(
+            (row["name"] for row in manager.describe() if registered in row.get("registered", {}).get("models", [])),
+            None,
+        )
+    return {
+        "path": source.path,
+        "architecture": source.architecture,
+        "plugin": plugin,
+        "impl": impl,
+        "target": name,
+        "reason": why,
+    }
 
 
 def paddle_info() -> dict:
@@ -113,7 +127,9 @@ def env_command(as_json: bool = typer.Option(False, "--json", help="Print machin
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
-    typer.echo(f"fastdeploy-core {report['fastdeploy_core']} (plugin API {PLUGIN_API_VERSION}), Python {report['python']}")
+    typer.echo(
+        f"fastdeploy-core {report['fastdeploy_core']} (plugin API {PLUGIN_API_VERSION}), Python {report['python']}"
+    )
     typer.echo(f"platform: {report['platform']}")
     pinfo = report["paddle"]
     if pinfo["installed"]:

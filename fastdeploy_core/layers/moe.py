@@ -55,14 +55,22 @@ class FusedMoE(nn.Layer):
     """The routed experts of one layer: ``forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H]``.
 
     Each expert is a SwiGLU MLP (``down(silu(gate(x)) * up(x))``) of width ``intermediate_size``.
+    With a ``quant_config`` whose ``get_moe_method(layer, prefix)`` returns a method, that
+    method stores the experts (``create_weights``), quantizes each checkpoint tensor as it loads
+    (``load_expert``) and computes them (``apply``); else they are float32.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str = ""):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quant_config=None, prefix: str = ""):
         super().__init__()
         self.num_experts = int(num_experts)
         self.hidden_size = int(hidden_size)
         self.intermediate_size = int(intermediate_size)
         self.prefix = prefix
+        get_method = getattr(quant_config, "get_moe_method", None)
+        self.quant_method = get_method(self, prefix) if get_method is not None else None
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self)
+            return
         self.w13_weight = new_parameter(self, [self.num_experts, self.hidden_size, 2 * self.intermediate_size])
         self.w2_weight = new_parameter(self, [self.num_experts, self.intermediate_size, self.hidden_size])
         self.w13_weight.weight_loader = self.weight_loader
@@ -89,6 +97,10 @@ class FusedMoE(nn.Layer):
                 f"{self.prefix}.{expert}.{part}.weight: checkpoint tensor of shape {tuple(array.shape)}, the config "
                 f"({field}) implies {expected}; the checkpoint does not match its config.json"
             )
+        if self.quant_method is not None:
+            start = inter if part == "up_proj" else 0
+            self.quant_method.load_expert(self, "w2" if part == "down_proj" else "w13", expert, start, array.T)
+            return
         value = paddle.to_tensor(array.T)
         if part == "down_proj":
             param[expert] = value
@@ -98,6 +110,8 @@ class FusedMoE(nn.Layer):
             param[expert, :, inter:] = value
 
     def forward(self, x: paddle.Tensor, weights: paddle.Tensor, ids: paddle.Tensor) -> paddle.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, weights, ids)
         return current_ops().fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
 
 
@@ -107,6 +121,7 @@ class SparseMoeBlock(nn.Layer):
     Args:
         shared_experts: a layer every token goes through, added to the routed output (ERNIE).
         correction_bias: whether the router has a per-expert ``e_score_correction_bias``.
+        quant_config: stores the routed experts (see :class:`FusedMoE`); the router stays float32.
     """
 
     def __init__(
@@ -120,6 +135,7 @@ class SparseMoeBlock(nn.Layer):
         norm_min: float = 0.0,
         correction_bias: bool = False,
         shared_experts: nn.Layer | None = None,
+        quant_config=None,
         prefix: str = "",
     ):
         super().__init__()
@@ -136,7 +152,7 @@ class SparseMoeBlock(nn.Layer):
         self.norm_min = float(norm_min)
         # The router stays float32 whatever the quantizer: it is small and decides discretely.
         self.gate = Linear(hidden_size, num_experts, bias=False, quant_config=None, prefix=f"{prefix}.gate")
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, prefix=f"{prefix}.experts")
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, quant_config, prefix=f"{prefix}.experts")
         self.shared_experts = shared_experts
         if correction_bias:
             self.e_score_correction_bias = new_parameter(self, [num_experts])

@@ -73,6 +73,9 @@ class QuantizerBase(LinearMethodBase):
     #: Whether the device must declare this method in ``Device.quantization_methods``. A
     #: third-party method whose ``apply`` is plain Paddle ops every device runs may say False.
     requires_device_support: ClassVar[bool] = True
+    #: Whether MoE experts can be stored by this method (:meth:`get_moe_method`); such a method
+    #: also implements :meth:`weight_from_storage`.
+    quantizes_experts: ClassVar[bool] = False
     #: Largest ``max|y - y_float| / max|y_float|`` expected of a layer with Gaussian weights and
     #: inputs (the conformance check and the tests hold each method to it).
     expected_error: ClassVar[float] = 0.25
@@ -144,6 +147,29 @@ class QuantizerBase(LinearMethodBase):
         if is_lm_head(prefix):
             return self.lm_head_method()
         return self
+
+    def get_moe_method(self, layer, prefix: str):
+        """The experts' method of a :class:`~fastdeploy_core.layers.moe.FusedMoE` (the router is never
+        quantized): :class:`~fastdeploy_core.quantization.experts.QuantizedExperts` over this method,
+        ``None`` for float experts (``modules_to_not_convert``). A method that cannot store experts
+        refuses the model rather than leave its largest weights silently float32."""
+        if not self.applies_to(prefix):
+            return None
+        if not self.quantizes_experts:
+            raise QuantizationError(
+                f"quantization {self.name!r} cannot store mixture-of-experts weights ({prefix}); use wint8 or "
+                f"wint4, or mix_quant with moe_quant_type wint8/wint4, or keep the experts float32 with "
+                f'modules_to_not_convert ["*.experts"]',
+                param="quantization",
+            )
+        from fastdeploy_core.quantization.experts import QuantizedExperts
+
+        return QuantizedExperts(self)
+
+    def weight_from_storage(self, tensors: dict[str, paddle.Tensor], rows: int) -> paddle.Tensor:
+        """Float32 ``[rows, out]`` weight from this method's storage tensors of one linear (no
+        device layout), the formula of its linear op; methods with :attr:`quantizes_experts`."""
+        raise NotImplementedError
 
     def get_embedding_method(self, layer, prefix: str):
         """The token embedding's method (:class:`~fastdeploy_core.quantization.embedding.Int8EmbeddingMethod`) or ``None``."""

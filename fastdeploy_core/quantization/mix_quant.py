@@ -97,3 +97,8 @@ class MixQuant(QuantizerBase):
         if part is None or not self.applies_to(prefix):
             return None
         return part.get_quant_method(layer, prefix)
+
+    def get_moe_method(self, layer, prefix: str):
+        if self.moe is None or not self.applies_to(prefix):
+            return None
+        return self.moe.get_moe_method(layer, prefix)

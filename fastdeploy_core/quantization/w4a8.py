@@ -23,6 +23,8 @@ class W4A8(WeightOnlyInt4):
     expected_error = 0.2
     config_class = W4A8Config
     device_op = "w4a8_linear"
+    #: its experts would need the int8-activation formula, which fused_moe does not have
+    quantizes_experts = False
 
     @staticmethod
     def reference_op(x, weight, scale, offset, group_size, bias=None):

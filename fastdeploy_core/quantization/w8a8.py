@@ -19,6 +19,8 @@ class W8A8(WeightOnlyInt8):
     name = "w8a8"
     expected_error = 0.03
     device_op = "w8a8_linear"
+    #: its experts would need the int8-activation formula, which fused_moe does not have
+    quantizes_experts = False
 
     @staticmethod
     def reference_op(x, weight, scale, group_size, bias=None):

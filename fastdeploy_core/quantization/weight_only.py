@@ -96,6 +96,7 @@ class WeightOnlyInt8(QuantizerBase):
     device_op = "wint8_linear"
     gguf_types: ClassVar[tuple[str, ...]] = ("Q8_0",)
     act_int8: ClassVar[bool] = False
+    quantizes_experts = True
 
     def group_size_for(self, rows: int) -> int:
         return self.config.group_size or rows
@@ -123,6 +124,9 @@ class WeightOnlyInt8(QuantizerBase):
     def op_args(self, layer) -> tuple:
         return layer.weight, layer.weight_scale, self.group_size_for(layer.input_size)
 
+    def weight_from_storage(self, tensors, rows: int) -> paddle.Tensor:
+        return int8_weight(tensors["weight"], tensors["weight_scale"], self.group_size_for(rows))
+
     @staticmethod
     def reference_op(x, weight, scale, group_size, bias=None):
         return int8_linear_reference(x, weight, scale, group_size, bias)
@@ -143,6 +147,7 @@ class WeightOnlyInt4(QuantizerBase):
     config_class = WeightOnlyInt4Config
     device_op = "wint4_linear"
     gguf_types: ClassVar[tuple[str, ...]] = ("Q4_0", "Q4_1")
+    quantizes_experts = True
 
     def __init__(self, config=None):
         super().__init__(config)
@@ -185,6 +190,9 @@ class WeightOnlyInt4(QuantizerBase):
 
     def op_args(self, layer) -> tuple:
         return layer.weight, layer.weight_scale, layer.weight_offset, self.config.group_size
+
+    def weight_from_storage(self, tensors, rows: int) -> paddle.Tensor:
+        return int4_weight(tensors["weight"], tensors["weight_scale"], tensors["weight_offset"], self.config.group_size)
 
     def process_weights_after_loading(self, layer) -> None:
         """The device's int4 layout for codes, scales and offsets together when it has one

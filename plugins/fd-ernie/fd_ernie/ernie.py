@@ -13,6 +13,18 @@ router over ``moe_num_experts`` experts picks ``moe_k`` by score plus the router
 bias (``moe_statics.e_score_correction_bias``), weighs them by their unbiased scores
 renormalised (floor ``moe_norm_min``), and adds ``moe_num_shared_experts`` shared experts (one
 gated MLP ``moe_num_shared_experts`` times as wide).
+
+Both checkpoint layouts load. The Hugging Face one (``-PT`` repos) is transformers' names with
+``[out, in]`` linear weights. The Paddle one (``-Paddle`` repos), read from PaddleFormers'
+``ernie4_5``/``ernie4_5_moe`` modeling and its ``_get_tensor_parallel_mappings``, differs in:
+the ``ernie.`` prefix where HF has ``model.``; ``[in, out]`` linear weights (``paddle.nn.Linear``);
+``self_attn.qkv_proj`` holding Q, K and V side by side on the output axis (Q heads, then K
+heads, then V heads); ``up_gate_proj`` holding the gate then the up projection on the output axis
+(its MLP takes ``gate, up = chunk(2)``), in dense MLPs, experts and shared experts alike; and the
+router ``mlp.gate`` as ``[hidden, experts]``; the embedding and the LM head (PaddleFormers'
+``LMHead`` is a ``[vocab, hidden]`` weight) are stored as HF's are. Its rotary embedding rotates adjacent pairs as
+transformers' does, so Q and K rows are in the same order in both layouts. The layout is told
+from the tensor names: a checkpoint of Paddle's has every tensor under ``ernie.``.
 """
 
 from __future__ import annotations
@@ -25,6 +37,43 @@ from paddle import nn
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.layers.decoder import DecoderDims, DecoderForCausalLM, GatedMLP
 from fastdeploy_core.layers.moe import SparseMoeBlock
+
+#: ``ernie.`` is PaddleFormers' ``base_model_prefix`` for ERNIE-4.5; HF's is ``model.``
+PADDLE_PREFIX = "ernie."
+#: Paddle-layout linear weights stored ``[in, out]`` under the same name as HF's ``[out, in]``
+_PADDLE_TRANSPOSED = ("self_attn.o_proj.weight", "down_proj.weight", "mlp.gate.weight")
+
+
+def paddle_to_hf_tensors(name: str, array, dims: DecoderDims) -> Iterator[tuple[str, np.ndarray]]:
+    """The HF-layout tensors one Paddle-layout ERNIE-4.5 tensor stands for (see the module doc)."""
+    checkpoint_name = name
+    name = "model." + name[len(PADDLE_PREFIX) :] if name.startswith(PADDLE_PREFIX) else name
+    array = np.asarray(array)
+    if name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
+        q = dims.num_heads * dims.head_dim
+        kv = dims.num_kv_heads * dims.head_dim
+        if array.shape[-1] != q + 2 * kv:
+            raise ModelLoadError(
+                f"{checkpoint_name}: Paddle-layout fused QKV of shape {array.shape}, the config (num_attention_heads, "
+                f"num_key_value_heads, head_dim) implies {q + 2 * kv} outputs; the checkpoint does not match "
+                "its config.json"
+            )
+        leaf = name.rsplit(".", 1)[1]
+        for part, rows in zip(("q_proj", "k_proj", "v_proj"), np.split(array, [q, q + kv], axis=-1)):
+            yield name.replace("qkv_proj", part), rows.T.copy() if leaf == "weight" else rows
+    elif name.endswith(("up_gate_proj.weight", "up_gate_proj.bias")):
+        if array.shape[-1] % 2:
+            raise ModelLoadError(
+                f"{checkpoint_name}: a fused gate/up projection needs an even output width, it has {array.shape}"
+            )
+        gate, up = np.split(array, 2, axis=-1)
+        transpose = name.endswith(".weight")
+        yield name.replace("up_gate_proj", "gate_proj"), gate.T.copy() if transpose else gate
+        yield name.replace("up_gate_proj", "up_proj"), up.T.copy() if transpose else up
+    elif name.endswith(_PADDLE_TRANSPOSED) and array.ndim == 2:
+        yield name, array.T.copy()
+    else:
+        yield name, array
 
 
 def adjacent_to_half_rotation(rows: int, head_dim: int) -> np.ndarray:
@@ -45,16 +94,21 @@ class Ernie4_5ForCausalLM(DecoderForCausalLM):
         return dims
 
     def checkpoint_tensors(self, name: str, array) -> Iterator[tuple[str, object]]:
-        if name.endswith(
-            ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias")
-        ):
-            array = np.asarray(array)
-            array = array[adjacent_to_half_rotation(array.shape[0], self.dims.head_dim)]
-        yield name, array
+        pairs = paddle_to_hf_tensors(name, array, self.dims) if name.startswith(PADDLE_PREFIX) else [(name, array)]
+        for hf_name, hf_array in pairs:
+            # The router's correction bias lives in a statistics module of its own, shaped [1, E].
+            if hf_name.endswith(".mlp.moe_statics.e_score_correction_bias"):
+                hf_name = hf_name.replace(".mlp.moe_statics.", ".mlp.")
+            if hf_name.endswith(
+                ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias")
+            ):
+                hf_array = np.asarray(hf_array)
+                hf_array = hf_array[adjacent_to_half_rotation(hf_array.shape[0], self.dims.head_dim)]
+            yield hf_name, hf_array
 
 
 class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
-    """ERNIE-4.5 mixture-of-experts causal LM (the ``-PT`` checkpoints' HF layout)."""
+    """ERNIE-4.5 mixture-of-experts causal LM (HF ``-PT`` or Paddle ``-Paddle`` checkpoints)."""
 
     family = "ERNIE-4.5-MoE"
     #: fused_moe's reference groups tokens by expert with a host-side count: not capturable.
@@ -104,11 +158,6 @@ class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
             norm_min=float(cfg.get("moe_norm_min", 1e-12)),
             correction_bias=True,
             shared_experts=shared_experts,
+            quant_config=self.quant_config,
             prefix=prefix,
         )
-
-    def checkpoint_tensors(self, name: str, array) -> Iterator[tuple[str, object]]:
-        # The router's correction bias lives in a statistics module of its own, shaped [1, E].
-        if name.endswith(".mlp.moe_statics.e_score_correction_bias"):
-            name = name.replace(".mlp.moe_statics.", ".mlp.")
-        yield from super().checkpoint_tensors(name, array)

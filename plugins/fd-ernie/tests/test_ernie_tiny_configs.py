@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from fd_ernie.ernie import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM, adjacent_to_half_rotation
+from fd_ernie.ernie import (
+    Ernie4_5_MoeForCausalLM,
+    Ernie4_5ForCausalLM,
+    adjacent_to_half_rotation,
+    paddle_to_hf_tensors,
+)
 
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
@@ -168,3 +173,71 @@ def test_contradicting_moe_fields_are_load_errors(tmp_path_factory):
 
 def test_adjacent_to_half_rotation_order():
     assert adjacent_to_half_rotation(8, 4).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def _to_paddle_layout(hf_dir: str, paddle_dir: str, hf_config: dict) -> None:
+    """Write the HF checkpoint in ``hf_dir`` again in the Paddle (``-Paddle`` repo) layout.
+
+    The mapping is PaddleFormers' ERNIE-4.5 layout as its ``ernie4_5``/``ernie4_5_moe`` modeling
+    and ``_get_tensor_parallel_mappings`` define it: ``base_model_prefix = "ernie"``;
+    ``paddle.nn.Linear`` weights ``[in, out]``; ``self_attn.qkv_proj`` = Q, K, V concatenated on
+    the output axis (split back as ``[num_heads, num_kv_heads, num_kv_heads]`` heads);
+    ``mlp.up_gate_proj`` = gate then up on the output axis (``gate, up = chunk(2, -1)``) in MLPs,
+    experts and shared experts; the router ``mlp.gate`` ``[hidden, experts]``; embedding, LM head
+    and ``moe_statics.e_score_correction_bias`` as HF stores them.
+    """
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    hf = {}
+    for file in sorted(os.listdir(hf_dir)):
+        if file.endswith(".safetensors"):
+            hf.update(load_file(os.path.join(hf_dir, file)))
+    out = {}
+    for name, array in hf.items():
+        paddle_name = "ernie." + name[len("model.") :] if name.startswith("model.") else name
+        leaf = name.rsplit(".", 1)[1]
+        if ".self_attn.q_proj." in name:
+            parts = [hf[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            fused = np.concatenate(parts, axis=0)
+            out[paddle_name.replace("q_proj", "qkv_proj")] = fused.T.copy() if leaf == "weight" else fused
+        elif ".gate_proj." in name:
+            fused = np.concatenate([array, hf[name.replace("gate_proj", "up_proj")]], axis=0)
+            out[paddle_name.replace("gate_proj", "up_gate_proj")] = fused.T.copy() if leaf == "weight" else fused
+        elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".up_proj." in name:
+            continue  # fused above
+        elif name.endswith(("o_proj.weight", "down_proj.weight", "mlp.gate.weight")):
+            out[paddle_name] = array.T.copy()
+        else:
+            out[paddle_name] = array
+    os.makedirs(paddle_dir, exist_ok=True)
+    save_file(out, os.path.join(paddle_dir, "model.safetensors"))
+    with open(os.path.join(paddle_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    assert any(n.endswith("qkv_proj.weight") for n in out) and all(n.startswith(("ernie.", "lm_head.")) for n in out)
+    for extra in ("generation_config.json",):
+        if os.path.exists(os.path.join(hf_dir, extra)):
+            shutil.copy(os.path.join(hf_dir, extra), paddle_dir)
+
+
+@pytest.mark.parametrize("name", ["ernie_dense_bias_untied", "ernie_moe_shared"])
+def test_paddle_layout_loads_the_same_weights_and_tokens(tmp_path_factory, name):
+    """A checkpoint in the Paddle layout (fused QKV and gate/up, ``[in, out]`` weights, ``ernie.``
+    names) loads into exactly the parameters the HF layout gives, and so into the same tokens."""
+    set_current_ops(ReferenceOps())
+    path, hf_model, ours = _checkpoint(tmp_path_factory, name)
+    paddle_path = str(tmp_path_factory.mktemp(f"{name}_paddle"))
+    _to_paddle_layout(path, paddle_path, resolve_model_source(path).hf_config)
+    from_hf, from_paddle = _load(path, ours), _load(paddle_path, ours)
+    hf_params = dict(from_hf.named_parameters())
+    for param_name, param in from_paddle.named_parameters():
+        np.testing.assert_array_equal(param.numpy(), hf_params[param_name].numpy(), err_msg=param_name)
+    check_paged(from_paddle, PROMPTS, NEW_TOKENS, hf_reference(hf_model, PROMPTS, NEW_TOKENS))
+
+
+def test_paddle_fused_qkv_of_the_wrong_width_is_a_load_error():
+    dims = Ernie4_5ForCausalLM(BASE).dims
+    with pytest.raises(ModelLoadError, match=r"ernie\.layers\.0\.self_attn\.qkv_proj\.weight.*implies 128 outputs"):
+        list(paddle_to_hf_tensors("ernie.layers.0.self_attn.qkv_proj.weight", np.zeros((64, 96), np.float32), dims))

@@ -10,6 +10,10 @@ slide a window over the layers from ``max_window_layers`` on when ``use_sliding_
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+
+import numpy as np
 from paddle import nn
 
 from fastdeploy_core.errors import ModelLoadError
@@ -67,6 +71,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """
 
     family = "Qwen3-MoE"
+    #: a GGUF file's experts of one projection stacked ``[E, out, in]`` (see :mod:`fd_qwen.gguf`)
+    _STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
     #: fused_moe's reference groups tokens by expert with a host-side count: not capturable.
     supports_graph_capture = False
 
@@ -93,5 +99,18 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             width,
             scoring="softmax",
             renormalize=bool(cfg.get("norm_topk_prob", False)),
+            quant_config=self.quant_config,
             prefix=prefix,
         )
+
+    def checkpoint_tensors(self, name: str, array) -> Iterator[tuple[str, object]]:
+        stacked = self._STACKED_EXPERTS.match(name)
+        if stacked is None:
+            yield name, array
+            return
+        array = np.asarray(array)
+        if array.ndim != 3:
+            raise ModelLoadError(f"{name}: stacked experts must be [experts, out, in], the tensor is {array.shape}")
+        layer, part = stacked.groups()
+        for expert in range(array.shape[0]):
+            yield f"{layer}.{expert}.{part}.weight", array[expert]
