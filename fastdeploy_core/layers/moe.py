@@ -73,7 +73,9 @@ def select_experts_grouped(
     """
     num_experts = int(router_logits.shape[-1])
     if num_experts % num_groups:
-        raise ModelLoadError(f"{num_experts} experts do not split into n_group={num_groups} equal groups; fix config.json")
+        raise ModelLoadError(
+            f"{num_experts} experts do not split into n_group={num_groups} equal groups; fix config.json"
+        )
     per_group = num_experts // num_groups
     if per_group < 2 or not 0 < topk_group <= num_groups or top_k > topk_group * per_group:
         raise ModelLoadError(
