@@ -6,7 +6,8 @@ everything else is inherited. Layers reach the table through
 
 Conventions: tensors are Paddle tensors; ``T`` is the number of tokens in the step (all
 requests flattened), ``h``/``kvh`` query/key-value heads, ``d`` the head size. Linear weights
-use Paddle's ``[in, out]`` layout. KV caches are per layer ``[num_blocks, block_size, kvh, d]``.
+use Paddle's ``[in, out]`` layout. KV caches are per layer ``[num_blocks, block_size, kvh, d]``
+(a latent cache, :meth:`ReferenceOps.mla_paged_attention`: ``[num_blocks, block_size, 1, L + dr]``).
 
 Batch-1 decode is dominated by per-op dispatch cost in eager Paddle, so the ops keep their op
 count low and derive per-step index tensors once (in ``ForwardMeta.attn_state`` or keyed on
@@ -462,6 +463,94 @@ class ReferenceOps:
         self.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
         return out.reshape([-1, num_heads * head_dim])
+
+    # ---- multi-head latent attention --------------------------------------------------------
+    #: The forms :meth:`mla_paged_attention` computes: ``auto`` takes ``absorbed`` for a
+    #: decode-only step and ``expanded`` otherwise; the other two force one (the kit compares them).
+    mla_forms: tuple[str, ...] = ("auto", "absorbed", "expanded")
+
+    def mla_paged_attention(
+        self,
+        q: paddle.Tensor,
+        latent: paddle.Tensor,
+        latent_cache: paddle.Tensor,
+        meta,
+        w_kv: paddle.Tensor,
+        scale: float,
+        form: str = "auto",
+    ) -> paddle.Tensor:
+        """Multi-head latent attention (DeepSeek-V2/V3) over a paged latent cache.
+
+        ``q [T, h, dn + dr]``: each head's non-rotary part then its rotary part (rotary already
+        applied). ``latent [T, L + dr]``: each new token's normalised latent ``c`` then its
+        rotated key ``k_pe``, shared by all heads; written into ``latent_cache [num_blocks,
+        block_size, 1, L + dr]`` at ``meta.slot_mapping``. ``w_kv [h, L, dn + dv]``: per head,
+        the up-projection of the latent into the non-rotary key (first ``dn`` columns) and the
+        value (last ``dv``). Head ``i`` of token ``t`` attends (causally, over its sequence's
+        cached context) with keys ``[c_s @ w_k[i], k_pe_s]`` and values ``c_s @ w_v[i]``; softmax
+        of the scores times ``scale``. Returns ``[T, h * dv]``.
+
+        Two forms, equal up to rounding: ``expanded`` computes every key and value from the
+        latents (prefill: the work is per query token anyway); ``absorbed`` moves ``w_k`` to
+        the query side (``q_lat = q_nope @ w_k[i]^T``, scores ``q_lat . c + q_pe . k_pe``),
+        attends over the latents themselves and applies ``w_v`` after the weighted sum, so a
+        decode reads ``L + dr`` numbers per cached token and never expands a key or a value.
+        """
+        if form not in self.mla_forms:
+            raise ValueError(f"mla_paged_attention form {form!r} is not one of {', '.join(self.mla_forms)}")
+        num_heads, qk_dim = int(q.shape[1]), int(q.shape[2])
+        width, rank = int(latent.shape[-1]), int(w_kv.shape[1])
+        rope_dim = width - rank
+        nope_dim = qk_dim - rope_dim
+        v_dim = int(w_kv.shape[2]) - nope_dim
+        paddle.scatter_(
+            _cache_view(latent_cache, "_fd_slot_view", 2),
+            meta.slot_mapping,
+            latent.reshape([-1, 1, width]),
+            overwrite=True,
+        )
+        state = meta.attn_state.get("paged_reference")
+        if state is None:
+            state = meta.attn_state["paged_reference"] = self._build_attention_state(meta, latent_cache.shape[1])
+        batch, max_q, max_kv = state["batch"], state["max_q"], state["max_kv"]
+        rows = self._kv_rows(state, 1)
+        cached = paddle.index_select(_cache_view(latent_cache, "_fd_row_view", 1), rows, axis=0)
+        cached = cached.reshape([batch, 1, max_kv, width])
+        c, k_pe = paddle.split(cached, [rank, rope_dim], axis=-1)  # [B, 1, S, L], [B, 1, S, dr]
+        w_k, w_v = paddle.split(w_kv, [nope_dim, v_dim], axis=-1)  # [h, L, dn], [h, L, dv]
+        if state["pad_rows"] is not None:
+            q = paddle.index_select(q, state["pad_rows"], axis=0)
+        q = (q * scale).reshape([batch, max_q, num_heads, qk_dim]).transpose([0, 2, 1, 3])  # [B, h, Q, dk]
+        mask = state["mask"]
+        if mask is not None:
+            mask = mask.reshape([batch, 1, max_q, max_kv])
+        absorbed = form == "absorbed" or (form == "auto" and max_q == 1)
+        if absorbed:
+            q_nope, q_pe = paddle.split(q, [nope_dim, rope_dim], axis=-1)
+            q_lat = paddle.matmul(q_nope, w_k, transpose_y=True)  # [B, h, Q, L]
+            keys = (paddle.concat([q_lat, q_pe], axis=-1), cached)  # one dot product over L + dr
+            values = c
+        else:
+            k_nope = paddle.matmul(c, w_k)  # [B, h, S, dn]
+            k = paddle.concat([k_nope, paddle.expand(k_pe, [batch, num_heads, max_kv, rope_dim])], axis=-1)
+            keys = (q, k)
+            values = paddle.matmul(c, w_v)  # [B, h, S, dv]
+        # Long prefills attend in query chunks so the score tensor stays bounded.
+        chunk = max(1, self.max_score_elements // (batch * num_heads * max_kv))
+        outs = []
+        for start in range(0, max_q, chunk):
+            stop = min(max_q, start + chunk)
+            scores = paddle.matmul(keys[0][:, :, start:stop], keys[1], transpose_y=True)  # [B, h, q, S]
+            if mask is not None:
+                scores = scores + mask[:, :, start:stop]
+            outs.append(paddle.matmul(F.softmax(scores, axis=-1), values))
+        out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=2)
+        if absorbed:
+            out = paddle.matmul(out, w_v)  # [B, h, Q, L] -> [B, h, Q, dv]
+        out = out.transpose([0, 2, 1, 3]).reshape([batch * max_q, num_heads * v_dim])
+        if state["unpad_rows"] is not None:
+            out = paddle.index_select(out, state["unpad_rows"], axis=0)
+        return out
 
     @staticmethod
     def _kv_rows(state: dict, num_kv_heads: int) -> paddle.Tensor:

@@ -35,6 +35,7 @@ from fastdeploy_core.executor.forward_meta import ForwardMeta
 from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs
 from fastdeploy_core.executor.step_io import RunnerOutput, SchedulerOutput
 from fastdeploy_core.host_memory import returned_after_loading
+from fastdeploy_core.layers.kv_layout import KVCacheLayout, kv_cache_layout
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +160,25 @@ class ModelRunner:
 
     # ---- KV cache --------------------------------------------------------------------------
     @property
+    def kv_layout(self) -> KVCacheLayout:
+        """The cache layout the model declares (key/value per KV head, or one latent row)."""
+        layout = kv_cache_layout(self.model)
+        if self.kv_quantizer is not None and layout.kind != "key_value":
+            raise ConfigError(
+                f"an int8 KV cache holds keys and values per KV head; this model caches a {layout.kind} row per "
+                "token instead, which the int8 KV cache does not store; use --kv-cache-dtype auto "
+                "(and no KV-cache part in --quantization)",
+                param="kv_cache_dtype",
+            )
+        return layout
+
+    @property
     def bytes_per_block(self) -> int:
-        layers, kv_heads, head_dim = self.model.kv_cache_spec()
+        layout = self.kv_layout
         if self.kv_quantizer is not None:
-            return 2 * layers * self.block_size * self.kv_quantizer.bytes_per_token(kv_heads, head_dim)
-        return 2 * layers * self.block_size * kv_heads * head_dim * _DTYPE_BYTES
+            (kv_heads, head_dim), _ = layout.token_shapes
+            return 2 * layout.num_layers * self.block_size * self.kv_quantizer.bytes_per_token(kv_heads, head_dim)
+        return layout.num_layers * self.block_size * layout.bytes_per_token(_DTYPE_BYTES)
 
     def activation_bytes(self) -> int:
         """Peak temporary memory of one step of ``max_num_batched_tokens`` tokens (an estimate)."""
@@ -239,15 +254,16 @@ class ModelRunner:
         self.kv_cache_rule = how
         return int(num_blocks)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
-        layers, kv_heads, head_dim = self.model.kv_cache_spec()
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple]:
+        """Per layer, the cache tensors of the model's declared layout (``(k, v)`` or ``(latent,)``)."""
+        layout = self.kv_layout
         if self.kv_quantizer is not None:
+            (kv_heads, head_dim), _ = layout.token_shapes
             return [
                 self.kv_quantizer.allocate(num_blocks, self.block_size, kv_heads, head_dim, zeros=self.device_cls.zeros)
-                for _ in range(layers)
+                for _ in range(layout.num_layers)
             ]
-        shape = (num_blocks, self.block_size, kv_heads, head_dim)
-        return [(self.device_cls.zeros(shape, "float32"), self.device_cls.zeros(shape, "float32")) for _ in range(layers)]
+        return layout.allocate(num_blocks, self.block_size, self.device_cls.zeros)
 
     # ---- one step --------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput, host_only: bool = False) -> ForwardMeta:
@@ -353,7 +369,7 @@ class ModelRunner:
 
     def describe(self) -> dict:
         """Resolved settings, for ``EngineCore.config_info``."""
-        layers, kv_heads, head_dim = self.model.kv_cache_spec()
+        layout = self.kv_layout
         return {
             "model": self.source.path,
             "model_format": self.source.format,
@@ -369,7 +385,12 @@ class ModelRunner:
             "kv_cache_bytes": self.num_blocks * self.bytes_per_block,
             "kv_cache_rule": self.kv_cache_rule,
             "activation_bytes": self.activation_bytes(),
-            "kv_cache_spec": {"num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim},
+            "kv_cache_spec": {
+                "num_layers": layout.num_layers,
+                "kind": layout.kind,
+                "token_shapes": [list(shape) for shape in layout.token_shapes],
+                "bytes_per_token_per_layer": layout.bytes_per_token(_DTYPE_BYTES),
+            },
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "vocab_size": self.vocab_size,
             "graph_capture": (

@@ -23,6 +23,7 @@ from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.layers.activation import get_gated_activation
 from fastdeploy_core.layers.attention import Attention
 from fastdeploy_core.layers.embedding import LMHead, VocabEmbedding
+from fastdeploy_core.layers.kv_layout import KVCacheLayout
 from fastdeploy_core.layers.linear import Linear, LinearMethodBase, MergedColumnLinear, QKVLinear
 from fastdeploy_core.layers.norm import RMSNorm
 from fastdeploy_core.layers.rotary import get_rope, rope_settings
@@ -160,9 +161,18 @@ class GatedMLP(nn.Layer):
 class DecoderLayer(nn.Layer):
     """Pre-norm attention and feed-forward blocks with a residual stream carried between layers."""
 
-    def __init__(self, dims: DecoderDims, layer_index: int, mlp: nn.Layer, quant_config=None, prefix: str = ""):
+    def __init__(
+        self,
+        dims: DecoderDims,
+        layer_index: int,
+        mlp: nn.Layer,
+        quant_config=None,
+        prefix: str = "",
+        attention: nn.Layer | None = None,
+    ):
         super().__init__()
-        self.self_attn = DecoderAttention(dims, layer_index, quant_config, prefix=f"{prefix}.self_attn")
+        # ``attention``: a family's own block, ``forward(positions, hidden, kv_cache, meta)``.
+        self.self_attn = attention or DecoderAttention(dims, layer_index, quant_config, prefix=f"{prefix}.self_attn")
         self.mlp = mlp
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
@@ -179,9 +189,10 @@ class DecoderLayer(nn.Layer):
 
 
 class DecoderModel(nn.Layer):
-    """Embedding, decoder layers and the final norm; ``make_mlp(index, prefix)`` builds each feed-forward."""
+    """Embedding, decoder layers and the final norm; ``make_mlp(index, prefix)`` builds each
+    feed-forward, ``make_attention(index, prefix)`` (when given) each attention block."""
 
-    def __init__(self, dims: DecoderDims, make_mlp, quant_config=None, prefix: str = "model"):
+    def __init__(self, dims: DecoderDims, make_mlp, quant_config=None, prefix: str = "model", make_attention=None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(
             dims.vocab_size, dims.hidden_size, quant_config, prefix=f"{prefix}.embed_tokens"
@@ -189,7 +200,9 @@ class DecoderModel(nn.Layer):
         layers = []
         for i in range(dims.num_layers):
             layer_prefix = f"{prefix}.layers.{i}"
-            layers.append(DecoderLayer(dims, i, make_mlp(i, f"{layer_prefix}.mlp"), quant_config, prefix=layer_prefix))
+            attention = make_attention(i, f"{layer_prefix}.self_attn") if make_attention is not None else None
+            mlp = make_mlp(i, f"{layer_prefix}.mlp")
+            layers.append(DecoderLayer(dims, i, mlp, quant_config, prefix=layer_prefix, attention=attention))
         self.layers = nn.LayerList(layers)
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
 
@@ -239,7 +252,7 @@ class DecoderForCausalLM(nn.Layer):
         self.config = hf_config
         self.dims = self.make_dims(hf_config)
         self.quant_config = quant_config
-        self.model = DecoderModel(self.dims, self.make_mlp, quant_config)
+        self.model = DecoderModel(self.dims, self.make_mlp, quant_config, make_attention=self.make_attention)
         self.lm_head = LMHead(self.dims.vocab_size, self.dims.hidden_size, quant_config=quant_config)
 
     def make_dims(self, hf_config: dict) -> DecoderDims:
@@ -251,6 +264,12 @@ class DecoderForCausalLM(nn.Layer):
         return GatedMLP(
             dims.hidden_size, dims.intermediate_size, dims.hidden_act, dims.mlp_bias, self.quant_config, prefix
         )
+
+    def make_attention(self, layer_index: int, prefix: str) -> nn.Layer:
+        """The attention block of layer ``layer_index`` (fused QKV over a key/value cache here); a
+        family with another attention (latent, :mod:`fastdeploy_core.layers.mla`) returns its own
+        and declares its cache in ``kv_cache_layout()``."""
+        return DecoderAttention(self.dims, layer_index, self.quant_config, prefix=prefix)
 
     def forward(self, meta: ForwardMeta, kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]]) -> paddle.Tensor:
         return self.model(meta, kv_caches)
@@ -267,10 +286,19 @@ class DecoderForCausalLM(nn.Layer):
         """``(num_layers, num_kv_heads, head_dim)`` of the paged KV cache this model needs."""
         return self.dims.num_layers, self.dims.num_kv_heads, self.dims.head_dim
 
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """What the runner allocates per layer: a key and a value per KV head here."""
+        return KVCacheLayout.key_value(*self.kv_cache_spec())
+
     def checkpoint_tensors(self, name: str, array) -> Iterator[tuple[str, object]]:
         """The HF-layout tensors one checkpoint tensor stands for (itself, here); a family whose
         checkpoints use other names or layouts renames, splits or reorders them here."""
         yield name, array
+
+    def missing_tensors_error(self, missing: list[str]) -> ModelLoadError:
+        """The error for parameters (by model name) the checkpoint did not fill; a family whose
+        optional parts (e.g. MTP layers) a config switches on may say which switch asked for them."""
+        return ModelLoadError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:5])}")
 
     def _expected_shards(self, params: dict) -> dict[str, int]:
         """How many shards each parameter is loaded from (a fused projection: one per part)."""
@@ -344,9 +372,7 @@ class DecoderForCausalLM(nn.Layer):
             )
         missing = [name for name, count in expected.items() if len(loaded.get(name, ())) < count]
         if missing:
-            raise ModelLoadError(
-                f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:5])}"
-            )
+            raise self.missing_tensors_error(missing)
         for layer in self.sublayers():
             method = getattr(layer, "quant_method", None)
             if isinstance(method, LinearMethodBase):

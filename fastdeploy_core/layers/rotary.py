@@ -1,4 +1,4 @@
-"""Rotary position embedding: the cos/sin cache, with Llama-3 and linear rope scaling.
+"""Rotary position embedding: the cos/sin cache, with Llama-3, linear and YaRN rope scaling.
 
 Follows transformers' Llama conventions exactly (float32 ``inv_freq``, rotate_half layout,
 ``_compute_llama3_parameters``), so logits match the reference to float32 rounding.
@@ -52,13 +52,69 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.nd
         high_freq_wavelen = old_context_len / high_freq_factor
         wavelen = (np.float32(2 * math.pi) / inv_freq).astype(np.float32)
         scaled = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
-        smooth = ((old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)).astype(np.float32)
+        smooth = ((old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)).astype(
+            np.float32
+        )
         smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return np.where(is_medium, smoothed, scaled).astype(np.float32)
-    raise ModelLoadError(
-        f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
+    raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3, yarn")
+
+
+def _yarn_scaling_value(scaling: dict, key: str):
+    value = scaling.get(key)
+    if value is None:
+        raise ModelLoadError(f"YaRN rope scaling needs {key!r} in rope_parameters / rope_scaling; fix config.json")
+    return value
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``factor`` times: ``0.1 mscale ln(factor) + 1``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for the other types): ``attention_factor`` when
+    given, else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set, else
+    ``mscale(factor)``, as transformers' ``_compute_yarn_parameters``."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(_yarn_scaling_value(scaling, "factor"))
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """YaRN: high frequencies kept, low ones divided by ``factor``, a linear ramp between the
+    dimensions of ``beta_fast`` and ``beta_slow`` rotations over the original context."""
+    factor = np.float32(_yarn_scaling_value(scaling, "factor"))
+    original = float(_yarn_scaling_value(scaling, "original_max_position_embeddings"))
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    pos_freqs = (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))).astype(
+        np.float32
     )
+    extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    interpolation = (np.float32(1.0) / (factor * pos_freqs)).astype(np.float32)
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1.0) - ramp.astype(np.float32)).astype(np.float32)
+    return (interpolation * (np.float32(1.0) - keep) + extrapolation * keep).astype(np.float32)
 
 
 def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> np.ndarray:
@@ -69,8 +125,9 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float, scaling
     inv_freq = compute_inv_freq(head_dim, theta, scaling)
     positions = np.arange(max_positions, dtype=np.float32)
     freqs = (positions[:, None] * inv_freq[None, :]).astype(np.float32)  # [P, d/2]
-    cos = np.cos(freqs).astype(np.float32)
-    sin = np.sin(freqs).astype(np.float32)
+    attention_factor = np.float32(rope_attention_factor(scaling))
+    cos = (np.cos(freqs).astype(np.float32) * attention_factor).astype(np.float32)
+    sin = (np.sin(freqs).astype(np.float32) * attention_factor).astype(np.float32)
     cache = np.empty((max_positions, 2, head_dim), dtype=np.float32)
     cache[:, 0, :] = np.concatenate([cos, cos], axis=-1)
     cache[:, 1, :] = np.concatenate([-sin, sin], axis=-1)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
+from fastdeploy_core.layers.kv_layout import kv_cache_layout
 from fastdeploy_core.testing.batches import build_meta  # shared with the conformance kit
 
 
@@ -29,16 +30,12 @@ class PagedHarness:
     """Owns the per-layer caches of one model and runs steps over hand-made batches."""
 
     def __init__(self, model, num_blocks: int, block_size: int):
-        num_layers, kv_heads, head_dim = model.kv_cache_spec()
         self.model = model
         self.block_size = block_size
-        self.kv_caches = [
-            (
-                paddle.zeros([num_blocks, block_size, kv_heads, head_dim], dtype="float32"),
-                paddle.zeros([num_blocks, block_size, kv_heads, head_dim], dtype="float32"),
-            )
-            for _ in range(num_layers)
-        ]
+        # The layout the model declares, as the runner allocates it (K/V per head, or a latent row).
+        self.kv_caches = kv_cache_layout(model).allocate(
+            num_blocks, block_size, lambda shape, dtype: paddle.zeros(shape, dtype)
+        )
 
     def step(self, chunks: list[tuple[list[int], int, list[int]]]) -> np.ndarray:
         """Run one step; returns float32 logits ``[B, V]`` of each sequence's last new token."""
