@@ -315,7 +315,7 @@ def test_missing_mtp_tensors_are_named(tmp_path_factory):
         ModelLoadError, match=r"num_nextn_predict_layers=1 .*lacks \d+ of their tensors, e\.g\. model\.layers\.2\."
     ):
         _load(path, num_nextn_predict_layers=1)
-    path, tensors = _mtp_checkpoint(tmp_path_factory, "q_proj_plain_rope")
+    path, _ = _mtp_checkpoint(tmp_path_factory, "q_proj_plain_rope")
     file = os.path.join(path, "model.safetensors")
     kept = {k: v for k, v in load_file(file).items() if not k.startswith("model.layers.2.eh_proj")}
     save_file(kept, file, metadata={"format": "pt"})
