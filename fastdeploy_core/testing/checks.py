@@ -499,6 +499,49 @@ def check_rope_paged_attention(target: Target, scenario: str, backend: str, dtyp
     assert_close(got_v, want_v, dtype, f"rope_paged_attention[{backend}] {scenario}: v_cache")
 
 
+def check_mla_paged_attention(target: Target, scenario: str, backend: str, dtype: str, seed: int = 0) -> None:
+    """Multi-head latent attention: the target's latent-cache write and its ``auto``, ``absorbed``
+    and ``expanded`` forms against the reference's expanded form, for every sequence shape of
+    ``scenario`` (the window, if any, does not apply: latent attention has none). Also holds the
+    reference to its own contract: its absorbed form equals its expanded form within 1e-5."""
+    rng = np.random.default_rng(seed + 2)
+    heads, rank, nope, rope, v_dim, bs, nb = 4, 24, 16, 8, 12, 4, 64
+    pool = BlockPool(nb, seed=seed)
+    specs = ATTENTION_SCENARIOS[scenario]
+    chunks = [(list(range(q)), ctx, pool.take(blocks_for(q + ctx, bs))) for q, ctx in specs]
+    cache = rng.standard_normal((nb, bs, 1, rank + rope)).astype(np.float32)  # stands in for earlier steps
+    total = sum(q for q, _ in specs)
+    q = rng.standard_normal((total, heads, nope + rope)).astype(np.float32)
+    latent = rng.standard_normal((total, rank + rope)).astype(np.float32)
+    w_kv = (rng.standard_normal((heads, rank, nope + v_dim)) / np.sqrt(rank)).astype(np.float32)
+    scale = (nope + rope) ** -0.5
+
+    want = {}
+    with paddle.device.device_guard(HOST_PLACE):
+        ref = ReferenceOps()
+        for form in ("expanded", "absorbed"):
+            meta = build_meta(chunks, bs)
+            rc = paddle.to_tensor(cache)
+            args = (paddle.to_tensor(q), paddle.to_tensor(latent), rc, meta, paddle.to_tensor(w_kv), scale, form)
+            want[form] = ref.mla_paged_attention(*args).numpy()
+        want_cache = rc.numpy()
+    np.testing.assert_allclose(
+        want["absorbed"], want["expanded"], atol=1e-5, rtol=0, err_msg=f"reference absorbed vs expanded, {scenario}"
+    )
+
+    with target.placed():
+        ops = target.make_ops(backend)
+        for form in ("auto", "absorbed", "expanded"):
+            meta = build_meta(chunks, bs)
+            tc = _to(cache, dtype)
+            got = _np(
+                ops.mla_paged_attention(_to(q, dtype), _to(latent, dtype), tc, meta, _to(w_kv, dtype), scale, form)
+            )
+            assert got.shape == (total, heads * v_dim), f"mla_paged_attention returned {got.shape}"
+            assert_close(got, want["expanded"], dtype, f"mla_paged_attention[{backend}] {form} {scenario}")
+            assert_close(_np(tc), want_cache, dtype, f"mla_paged_attention[{backend}] {form} {scenario}: latent cache")
+
+
 # ---- end to end ---------------------------------------------------------------------------------
 def tiny_llama(seed: int = 0, dtype: str = "float32"):
     """fd_llama's LlamaForCausalLM on :data:`TINY_LLAMA_CONFIG` with seeded random weights."""
