@@ -321,3 +321,17 @@ def test_missing_mtp_tensors_are_named(tmp_path_factory):
     save_file(kept, file, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"lacks 1 of their tensors, e\.g\. model\.layers\.2\.eh_proj\.weight;"):
         _load(path)
+
+
+def test_int8_kv_cache_is_refused_for_the_latent_cache(case):
+    """The int8 KV cache stores per-head keys and values; a latent cache is a typed config error."""
+    from fastdeploy_core.config import EngineArgs
+    from fastdeploy_core.engine.engine_core import EngineCore
+    from fastdeploy_core.errors import ConfigError
+
+    _name, path, _ = case
+    args = EngineArgs.create(
+        model=path, max_model_len=64, block_size=4, num_gpu_blocks_override=32, kv_cache_dtype="int8"
+    )
+    with pytest.raises(ConfigError, match="caches a latent row per token.*--kv-cache-dtype auto"):
+        EngineCore(args)
