@@ -61,7 +61,7 @@ class DeepseekV3MoE(nn.Layer):
             scoring=str(cfg.get("scoring_func", "sigmoid")),
             prefix=f"{prefix}.gate",
         )
-        self.experts = FusedMoE(num_experts, hidden_size, width, prefix=f"{prefix}.experts")
+        self.experts = FusedMoE(num_experts, hidden_size, width, quant_config, prefix=f"{prefix}.experts")
         shared = int(cfg.get("n_shared_experts") or 0)
         self.shared_experts = (
             GatedMLP(hidden_size, width * shared, hidden_act, False, quant_config, f"{prefix}.shared_experts")
