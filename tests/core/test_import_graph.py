@@ -25,6 +25,7 @@ LAYERS = [
     {"scheduler"},
     {"engine"},
     {"entrypoints"},
+    {"router"},
     {"cli"},
     {"testing"},
     {"builtin"},
