@@ -100,7 +100,7 @@ class CacheConfig(_Section):
         return parse_byte_size(value)
 
     @model_validator(mode="after")
-    def _one_size(self) -> "CacheConfig":
+    def _one_size(self) -> CacheConfig:
         given = [
             f"{name}={getattr(self, name)}"
             for name in ("num_gpu_blocks_override", "kv_cache_memory", "gpu_memory_utilization")
@@ -219,7 +219,7 @@ class GraphOptConfig(_Section):
     graph_opt_level: int = Field(0, description="static-graph conversion (FastDeploy levels 1-2) is not implemented")
 
     @model_validator(mode="after")
-    def _sizes(self) -> "GraphOptConfig":
+    def _sizes(self) -> GraphOptConfig:
         if self.graph_opt_level != 0:
             raise ValueError(
                 f"graph_opt_level {self.graph_opt_level}: FastDeploy's static-graph (1) and CINN (2) levels are "
@@ -315,7 +315,7 @@ class EngineArgs(_Section):
     splitwise: SplitwiseConfig = Field(default_factory=SplitwiseConfig)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "EngineArgs":
+    def _consistent(self) -> EngineArgs:
         sched, model = self.scheduler, self.model
         if (
             sched.max_num_batched_tokens is not None
@@ -342,7 +342,7 @@ class EngineArgs(_Section):
         return owners
 
     @classmethod
-    def create(cls, **kwargs: Any) -> "EngineArgs":
+    def create(cls, **kwargs: Any) -> EngineArgs:
         """Validate flat ``kwargs``; unknown keys and bad values raise ConfigError."""
         owners = cls.flat_fields()
         grouped: dict[str, dict[str, Any]] = {name: {} for name in cls.model_fields}

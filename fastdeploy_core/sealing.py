@@ -1,9 +1,8 @@
 """HMAC sealing shared by every authenticated channel between our processes.
 
-Three channels use it: the engine link (API process <-> engine core, :mod:`engine.link`), the
-router's registrations and routed requests (:mod:`router.security`) and the prefill/decode KV
-transfer channel (:mod:`disaggregation.channel`). They differ in who holds the key and what the
-body is; what they share lives here, once:
+Two channels use it: the engine link (API process <-> engine core, :mod:`engine.link`) and the
+router's registrations and pairings (:mod:`router.security`). They differ in who holds the key
+and what the body is; what they share lives here, once:
 
 * :class:`FrameSealer` turns a body into three frames ``[seq, tag, body]``. ``seq`` is an 8-byte
   big-endian counter that only grows; ``tag`` is HMAC-SHA256 over a direction label (so a frame

@@ -236,9 +236,9 @@ async def _route(state: RouterState, auth: APIKeyChecker, request: Request, path
     body = await request.body()
     try:
         payload = json.loads(body)
-        if not isinstance(payload, dict):
-            raise ValueError("not an object")
     except ValueError:
+        payload = None
+    if not isinstance(payload, dict):
         return _error(400, "the request body must be a JSON object", "invalid_request_error")
     text = routing_text(payload)
     routed = RoutedRequest(text=text, tokens=max(1, len(text) // 4))

@@ -19,7 +19,7 @@ def router(
     request_timeout_secs: float = typer.Option(1800.0, "--request-timeout-secs", help="Longest wait for an instance's next bytes."),
     instance_ttl_secs: float = typer.Option(10.0, "--instance-ttl-secs", help="An instance not heard from for this long is dropped (instances heartbeat every 2 s)."),
     router_secret: str | None = typer.Option(None, "--router-secret", help="Shared secret that signs registrations and pairings (or env FD_ROUTER_SECRET; else derived from the first --api-key); the same on every instance. See docs/security.md."),
-    api_key: list[str] | None = typer.Option(None, "--api-key", help="Accepted client API key (repeatable; also env FD_API_KEY); forwarded to the instances, which check it too."),
+    api_key: list[str] | None = typer.Option(None, "--api-key", help="Accepted client API key (repeatable; also env FD_API_KEY); forwarded to the instances, which check it too."),  # noqa: B008
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
 ) -> None:
     """Start the router."""

@@ -12,8 +12,9 @@ derived from one secret shared by the router and its instances:
 Each tag covers a timestamp, and a tag older than :data:`MAX_SKEW_S` is refused, so a captured
 registration cannot be replayed later. The secret is ``--router-secret``, else env
 ``FD_ROUTER_SECRET``, else derived from the first ``--api-key`` (every instance and the router
-then share it by construction). The prefill/decode KV channel is keyed from the same secret, for
-another purpose (:func:`fastdeploy_core.sealing.derive_key`).
+then share it by construction). The key is derived for this one purpose
+(:func:`fastdeploy_core.sealing.derive_key`), so a future channel keyed from the same secret
+gets another key.
 """
 
 from __future__ import annotations
@@ -66,11 +67,6 @@ def require_secret(secret: str | None, api_keys: list[str] | None, what: str) ->
 def router_key(secret: str) -> bytes:
     """The key of registrations and pairings."""
     return derive_key(secret, "router")
-
-
-def transfer_key(secret: str) -> bytes:
-    """The key of the prefill/decode KV channel."""
-    return derive_key(secret, "pd-transfer")
 
 
 def signed_headers(key: bytes, label: bytes, body: bytes, now: float | None = None) -> dict[str, str]:

@@ -64,9 +64,10 @@ def start_router(tmp_dir: str, *extra: str) -> Router:
     args = [*fastdeploy_command(), "router", "--host", "127.0.0.1", "--port", str(port),
             "--router-secret", ROUTER_SECRET, *extra]
     log_path = os.path.join(tmp_dir, f"router-{port}.log")
-    proc = subprocess.Popen(args, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", FD_API_KEY="", FD_ROUTER_SECRET=""),
-                            start_new_session=True)
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1", FD_API_KEY="", FD_ROUTER_SECRET=""),
+                                start_new_session=True)
     router = Router(proc, port, log_path)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -120,4 +120,4 @@ def test_a_killed_instance_traffic_goes_to_the_other(cluster):
         resp = complete(router, max_tokens=2)
         assert resp.status_code == 200, resp.text
     assert router.counts()["mixed"] == 1
-    assert router.metrics()['fastdeploy_router:routed_total{instance="127.0.0.1:%d"}' % survivor.port] >= 5
+    assert router.metrics()[f'fastdeploy_router:routed_total{{instance="127.0.0.1:{survivor.port}"}}'] >= 5
