@@ -100,7 +100,7 @@ class CacheConfig(_Section):
         return parse_byte_size(value)
 
     @model_validator(mode="after")
-    def _one_size(self) -> "CacheConfig":
+    def _one_size(self) -> CacheConfig:
         given = [
             f"{name}={getattr(self, name)}"
             for name in ("num_gpu_blocks_override", "kv_cache_memory", "gpu_memory_utilization")
@@ -219,7 +219,7 @@ class GraphOptConfig(_Section):
     graph_opt_level: int = Field(0, description="static-graph conversion (FastDeploy levels 1-2) is not implemented")
 
     @model_validator(mode="after")
-    def _sizes(self) -> "GraphOptConfig":
+    def _sizes(self) -> GraphOptConfig:
         if self.graph_opt_level != 0:
             raise ValueError(
                 f"graph_opt_level {self.graph_opt_level}: FastDeploy's static-graph (1) and CINN (2) levels are "
@@ -233,6 +233,50 @@ class GraphOptConfig(_Section):
     @property
     def enabled(self) -> bool:
         return self.use_cudagraph and not self.enforce_eager
+
+
+class SplitwiseConfig(_Section):
+    """The router an instance registers with, and its prefill/decode role (docs/disaggregation.md).
+
+    ``router`` is the ``host:port`` of a ``fastdeploy router`` to register with;
+    ``router_secret`` signs the registration. ``mixed`` (computing prompts and their output) is
+    the one role that runs: the prefill and decode roles, with the KV-cache channel their
+    ``pd_comm_port`` and ``cache_transfer_protocol`` would configure, are refused until the
+    transfer is implemented, rather than accepted and ignored.
+    """
+
+    splitwise_role: Literal["mixed", "prefill", "decode"] = "mixed"
+    router: str | None = Field(None, description="HOST:PORT of the router to register with")
+    router_secret: SecretStr | None = Field(
+        None, description="shared secret of the router and the instances (else FD_ROUTER_SECRET, else the API key)"
+    )
+    pd_comm_port: int | None = Field(None, ge=1, le=65535, description="port a prefill instance serves KV on")
+    cache_transfer_protocol: str = Field("tcp", description="comma-separated KV transports, preferred first")
+
+    @field_validator("splitwise_role")
+    @classmethod
+    def _role(cls, value: str) -> str:
+        if value != "mixed":
+            raise ValueError(f"{value}: {_PD_NOT_YET} (drop --splitwise-role)")
+        return value
+
+    @field_validator("pd_comm_port")
+    @classmethod
+    def _pd_port(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError(f"only prefill instances bind it, and {_PD_NOT_YET} (drop --pd-comm-port)")
+        return value
+
+    @field_validator("cache_transfer_protocol")
+    @classmethod
+    def _protocol(cls, value: str) -> str:
+        if value != "tcp":
+            raise ValueError(f"{value!r}: {_PD_NOT_YET} (drop --cache-transfer-protocol)")
+        return value
+
+
+_PD_NOT_YET = ("prefill/decode disaggregation (moving a prompt's KV cache between instances) is not implemented "
+               "yet; serve mixed instances behind `fastdeploy router`")
 
 
 class ServerConfig(_Section):
@@ -268,9 +312,10 @@ class EngineArgs(_Section):
     quant: QuantizationConfig = Field(default_factory=QuantizationConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     graph_opt: GraphOptConfig = Field(default_factory=GraphOptConfig)
+    splitwise: SplitwiseConfig = Field(default_factory=SplitwiseConfig)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "EngineArgs":
+    def _consistent(self) -> EngineArgs:
         sched, model = self.scheduler, self.model
         if (
             sched.max_num_batched_tokens is not None
@@ -297,7 +342,7 @@ class EngineArgs(_Section):
         return owners
 
     @classmethod
-    def create(cls, **kwargs: Any) -> "EngineArgs":
+    def create(cls, **kwargs: Any) -> EngineArgs:
         """Validate flat ``kwargs``; unknown keys and bad values raise ConfigError."""
         owners = cls.flat_fields()
         grouped: dict[str, dict[str, Any]] = {name: {} for name in cls.model_fields}

@@ -10,7 +10,10 @@ from fastdeploy_core.hookspecs import hookimpl
 FD_PLUGIN_API_VERSION = PLUGIN_API_VERSION
 
 #: Modules that each expose ``register(app)`` adding working sub-commands to the CLI.
-CORE_COMMAND_MODULES: tuple[str, ...] = ("fastdeploy_core.cli.serve", "fastdeploy_core.cli.generate", "fastdeploy_core.cli.bench", "fastdeploy_core.cli.bench_serve")
+CORE_COMMAND_MODULES: tuple[str, ...] = (
+    "fastdeploy_core.cli.serve", "fastdeploy_core.cli.generate", "fastdeploy_core.cli.bench", "fastdeploy_core.cli.bench_serve",
+    "fastdeploy_core.router.cli",
+)
 
 
 @hookimpl

@@ -111,6 +111,11 @@ def serve(
     scheduler_writer_parallel: int | None = typer.Option(None, "--scheduler-writer-parallel", help="global: Redis connections for writing (default: 4)."),
     scheduler_reader_batch_size: int | None = typer.Option(None, "--scheduler-reader-batch-size", help="global: result batches read per round trip (default: 200)."),
     scheduler_writer_batch_size: int | None = typer.Option(None, "--scheduler-writer-batch-size", help="global: outputs per result batch written (default: 200)."),
+    splitwise_role: str | None = typer.Option(None, "--splitwise-role", help="mixed (prompts and output, the default and the only role that runs yet); prefill and decode are refused until the KV-cache transfer is implemented (docs/disaggregation.md)."),
+    router: str | None = typer.Option(None, "--router", help="HOST:PORT of a `fastdeploy router` to register with (and heartbeat every 2 s)."),
+    router_secret: str | None = typer.Option(None, "--router-secret", help="Secret shared with the router: signs this instance's registrations (or env FD_ROUTER_SECRET; else derived from the first --api-key). See docs/security.md."),
+    pd_comm_port: int | None = typer.Option(None, "--pd-comm-port", help="prefill instances' KV-cache port; refused until prefill/decode disaggregation is implemented."),
+    cache_transfer_protocol: str | None = typer.Option(None, "--cache-transfer-protocol", help="KV-cache transports of prefill/decode instances; only the default (tcp) is accepted until the transfer is implemented."),
     config: str | None = typer.Option(None, "--config", help="YAML preset of these flags (dash or underscore names); flags given here win."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
 ) -> None:
@@ -144,22 +149,56 @@ def serve(
         "scheduler_writer_parallel": scheduler_writer_parallel,
         "scheduler_reader_batch_size": scheduler_reader_batch_size,
         "scheduler_writer_batch_size": scheduler_writer_batch_size,
+        "splitwise_role": splitwise_role, "router": router, "router_secret": router_secret,
+        "pd_comm_port": pd_comm_port, "cache_transfer_protocol": cache_transfer_protocol,
     }
     try:
         preset = load_preset(config) if config else {}
         if "chat_template" in preset:
             preset["chat_template"] = _read_template(preset["chat_template"])
         engine_args, server = build_configs(preset, flags)
+        engine_args, heartbeat = splitwise_setup(engine_args, server)
     except FastDeployError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(2) from None
     from fastdeploy_core.entrypoints.openai import api_server
+
+    if heartbeat is not None:
+        heartbeat.start()
 
     try:
         api_server.run_server(engine_args, server, log_level=log_level.lower())
     except FastDeployError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(2) from None
+
+
+def splitwise_setup(engine_args, server):
+    """The heartbeat that registers this instance with ``--router`` (None without one), with the
+    router secret resolved (flag, env, API key) and a refusal naming the ways to give one."""
+    from fastdeploy_core import __version__
+    from fastdeploy_core.router.instances import InstanceInfo
+    from fastdeploy_core.router.registration import RouterHeartbeat, advertised_host, parse_address
+    from fastdeploy_core.router.security import require_secret
+
+    split = engine_args.splitwise
+    if split.router is None:
+        return engine_args, None
+    given = split.router_secret.get_secret_value() if split.router_secret else None
+    secret = require_secret(given, server.api_key, "--router")
+    try:
+        router_host, _ = parse_address(split.router)
+    except ValueError as exc:
+        raise ConfigError(str(exc), param="router") from None
+    host = advertised_host(server.host, router_host)
+    info = InstanceInfo(
+        role=split.splitwise_role, host=host, port=server.port, metrics_port=server.metrics_port,
+        protocols=[], tp_size=engine_args.parallel.tensor_parallel_size, version=__version__,
+        model=engine_args.model.served_model_name or engine_args.model.model,
+    )
+    local = "127.0.0.1" if server.host in ("0.0.0.0", "") else ("::1" if server.host == "::" else server.host)
+    health = f"http://[{local}]:{server.port}/health" if ":" in local else f"http://{local}:{server.port}/health"
+    return engine_args, RouterHeartbeat(split.router, info, secret, health)
 
 
 def _read_template(value: str | None) -> str | None:

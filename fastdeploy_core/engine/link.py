@@ -24,38 +24,25 @@ carry dataclasses (``add``, ``outputs``) are converted with their ``to_dict`` / 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
-import secrets
 from typing import Any
 
 from fastdeploy_core.engine.outputs import EngineCoreOutput, EngineCoreRequest
+from fastdeploy_core.sealing import MAX_LOGGED_PEERS, SECRET_BYTES, FrameSealer, new_secret
+
+__all__ = ["MAX_LOGGED_PEERS", "SECRET_BYTES", "LinkEnd", "decode_message", "encode_message", "new_secret"]
 
 logger = logging.getLogger("fastdeploy.engine_link")
 
-#: Length of the per-launch secret, in bytes.
-SECRET_BYTES = 32
-
-#: Peers whose first rejected frame is logged; past this many a flood of fresh connections
-#: is only counted, so it cannot fill the log.
-MAX_LOGGED_PEERS = 64
-
 _DIRECTION = {"api": b"fastdeploy-engine-link/1 api->core", "core": b"fastdeploy-engine-link/1 core->api"}
-_SEQ_BYTES = 8
 
 
-def new_secret() -> bytes:
-    """A fresh random key for one launch of the engine core."""
-    return secrets.token_bytes(SECRET_BYTES)
-
-
-class LinkEnd:
+class LinkEnd(FrameSealer):
     """One side (``"api"`` or ``"core"``) of the link: seals what it sends, opens what it receives.
 
     ``open`` returns None for any frame that is not an authentic, fresh message from the other
-    side; nothing in such a frame is decoded.
+    side; nothing in such a frame is decoded. The sealing is :class:`fastdeploy_core.sealing.FrameSealer`'s.
     """
 
     def __init__(self, secret: bytes, side: str):
@@ -63,58 +50,19 @@ class LinkEnd:
             raise ValueError(f"side must be 'api' or 'core', got {side!r}")
         if len(secret) < SECRET_BYTES:
             raise ValueError(f"the link secret must have at least {SECRET_BYTES} bytes")
-        self._secret = secret
-        self._send_label = _DIRECTION[side]
-        self._recv_label = _DIRECTION["core" if side == "api" else "api"]
-        self._send_seq = 0
-        self._recv_seq = 0
-        self._logged_peers: set[str] = set()
-        self.rejected = 0
+        other = "core" if side == "api" else "api"
+        super().__init__(secret, _DIRECTION[side], _DIRECTION[other], "engine link", logger)
 
     def __repr__(self) -> str:  # the secret must never reach a log line
         return f"LinkEnd(send={self._send_label.decode()!r}, rejected={self.rejected})"
 
-    def _tag(self, label: bytes, seq: bytes, body: bytes) -> bytes:
-        mac = hmac.new(self._secret, label, hashlib.sha256)
-        mac.update(seq)
-        mac.update(body)
-        return mac.digest()
-
     def seal(self, msg: tuple) -> list[bytes]:
         """The frames that carry ``msg`` to the other side."""
-        body = encode_message(msg)
-        self._send_seq += 1
-        seq = self._send_seq.to_bytes(_SEQ_BYTES, "big")
-        return [seq, self._tag(self._send_label, seq, body), body]
+        return self.seal_body(encode_message(msg))
 
     def open(self, frames: list[bytes], peer: str) -> tuple | None:
         """The message in ``frames`` if the other side sealed it and it is new; else None."""
-        if len(frames) != 3 or len(frames[0]) != _SEQ_BYTES:
-            return self._reject(peer, "not a link frame")
-        seq, tag, body = frames
-        if not hmac.compare_digest(tag, self._tag(self._recv_label, seq, body)):
-            return self._reject(peer, "bad authentication tag")
-        number = int.from_bytes(seq, "big")
-        if number <= self._recv_seq:
-            return self._reject(peer, "replayed frame")
-        try:
-            msg = decode_message(body)
-        except Exception as exc:  # noqa: BLE001 - authentic but undecodable: a bug, not an attack
-            # e.g. the two processes run different versions of this module.
-            return self._reject(peer, f"undecodable body ({type(exc).__name__}: {exc})")
-        self._recv_seq = number
-        return msg
-
-    def _reject(self, peer: str, reason: str) -> None:
-        self.rejected += 1
-        if peer not in self._logged_peers and len(self._logged_peers) < MAX_LOGGED_PEERS:
-            self._logged_peers.add(peer)
-            logger.warning(
-                "engine link: dropped a frame from %s (%s); only the engine's own peer may use this socket, "
-                "further frames from that peer are dropped without a log line",
-                peer,
-                reason,
-            )
+        return self.open_body(frames, peer, decode_message)
 
 
 # ---- messages <-> JSON -----------------------------------------------------------------------

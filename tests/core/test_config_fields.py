@@ -90,6 +90,12 @@ FIELDS: dict[tuple[str, str], tuple] = {
     ("graph_opt", "cudagraph_capture_sizes"): read(RUNNER, "graph_opt.cudagraph_capture_sizes"),
     ("graph_opt", "graph_opt_level"): refused(1, "graph_opt_level 1: FastDeploy's static-graph (1) and CINN (2) "
                                                  "levels are not implemented here", "graph_optimization_config"),
+    ("splitwise", "router"): read(SERVE, "RouterHeartbeat(split.router, info, secret, health)"),
+    ("splitwise", "router_secret"): read(SERVE, "split.router_secret.get_secret_value()"),
+    ("splitwise", "splitwise_role"): refused("decode", "prefill/decode disaggregation (moving a prompt's KV cache "
+                                                       "between instances) is not implemented yet"),
+    ("splitwise", "pd_comm_port"): refused(9100, "only prefill instances bind it"),
+    ("splitwise", "cache_transfer_protocol"): refused("shm", "is not implemented yet"),
     ("server", "host"): read(SERVER, "server.host"),
     ("server", "port"): read(SERVER, "server.port"),
     ("server", "metrics_port"): read(SERVER, "server.metrics_port"),

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fastdeploy_core"
 
 #: Rooms from the bottom up; a module may import its own room and the rooms below it.
 LAYERS = [
-    {"__init__", "errors", "hookspecs", "host_memory", "default_model"},
+    {"__init__", "errors", "hookspecs", "host_memory", "default_model", "sealing"},
     {"devices", "config"},
     {"plugins"},
     {"layers"},
@@ -25,6 +25,7 @@ LAYERS = [
     {"scheduler"},
     {"engine"},
     {"entrypoints"},
+    {"router"},
     {"cli"},
     {"testing"},
     {"builtin"},
