@@ -404,16 +404,18 @@ class EngineCore:
     def speculative_stats(self) -> dict:
         """Speculative decoding counters (FastDeploy's ``spec_decode_*`` metric names); empty
         when it is off. Emitted tokens are accepted drafts plus the target's own token of each
-        speculating row; efficiency is accepted / proposed."""
+        speculating row; the mean accepted length is emitted tokens per speculating row-step."""
         if self.proposer is None:
             return {}
         sched = self.scheduler
-        proposed, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
+        proposed, accepted, rows = sched.num_draft_tokens, sched.num_accepted_tokens, sched.num_speculative_rows
         return {
             "spec_decode_method": self.args.speculative.method,
             "spec_decode_num_draft_tokens_total": proposed,
             "spec_decode_num_accepted_tokens_total": accepted,
+            "spec_decode_num_emitted_tokens_total": accepted + rows,
             "spec_decode_draft_acceptance_rate": accepted / proposed if proposed else 0.0,
+            "spec_decode_mean_accepted_length": (accepted + rows) / rows if rows else 0.0,
         }
 
     def config_info(self) -> dict:

@@ -153,6 +153,7 @@ class Scheduler:
         #: Speculative decoding: draft tokens scored, and those the target accepted.
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_speculative_rows = 0  # row-steps that carried drafts (each emits accepted + 1)
 
     # ---- queue -----------------------------------------------------------------------------
     def _key(self, req: Request) -> tuple:
@@ -377,6 +378,7 @@ class Scheduler:
         req.num_accepted_tokens += len(tokens) - 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += len(tokens) - 1
+        self.num_speculative_rows += 1
         req.num_computed_tokens += len(tokens)
         if req.first_token_time is None:
             req.first_token_time = now
