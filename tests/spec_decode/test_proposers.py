@@ -54,8 +54,8 @@ def test_speculation_off_builds_no_proposer():
 @pytest.mark.parametrize(
     "spec, says",
     [
-        ({"method": "mtp"}, "speculative_config.method: no speculative decoding method 'mtp' is registered; "
-                            "registered methods: ngram (fastdeploy-core); FastDeploy's 'mtp': multi-token-prediction"),
+        ({"method": "mtp"}, ("speculative_config.method: no speculative decoding method 'mtp' is registered; "
+                             "registered methods: ngram (fastdeploy-core); FastDeploy's 'mtp': multi-token-prediction")),
         ({"method": "draft_model"}, "FastDeploy's 'draft_model': a separate draft model is not implemented here yet"),
         ({"method": "eagle9"}, "a third-party method is a package registering it through register_proposers"),
     ],

@@ -126,7 +126,7 @@ def test_speculation_emits_the_tokens_of_one_token_steps(num_blocks):
     ps.append(ps[-1] + [5])
     base = [make_request(f"r{i}", p, 20) for i, p in enumerate(ps)]
     spec = [make_request(f"r{i}", p, 20) for i, p in enumerate(ps)]
-    off, steps_off = drive(base, k=0, num_blocks=num_blocks)
+    _, steps_off = drive(base, k=0, num_blocks=num_blocks)
     on, steps_on = drive(spec, k=4, num_blocks=num_blocks)
     for a, b in zip(base, spec):
         assert b.output_token_ids == a.output_token_ids, a.request_id
