@@ -190,21 +190,51 @@ class QuantizationConfig(_Section):
 
 
 class SpeculativeConfig(_Section):
-    """Speculative decoding (``--speculative-config`` JSON in FastDeploy)."""
+    """Speculative decoding: FastDeploy's ``--speculative-config`` JSON keys.
 
-    method: Literal["ngram", "mtp"] | None = None
-    num_speculative_tokens: int = Field(1, ge=1, le=16)
+    ``method`` names a proposer registered through the ``register_proposers`` hook (the core
+    registers ``ngram``); it is looked up when the engine starts, like ``--scheduler-name``,
+    so a plugin's proposer is configured the same way. ``None`` (the default) decodes one
+    token per step. Only the keys a registered method reads are accepted: the other keys of
+    FastDeploy's section (``mtp_strategy``, ``verify_window``, ``suffix_*``, ...) are unknown
+    settings here.
+    """
+
+    method: str | None = Field(None, min_length=1, description="registered proposer name, e.g. ngram")
+    num_speculative_tokens: int = Field(
+        1, ge=1, le=8, description="draft tokens proposed per step for each speculating request"
+    )
+    max_ngram_size: int = Field(5, ge=1, le=64, description="ngram: the longest suffix looked up in the context")
+    min_ngram_size: int = Field(2, ge=1, le=64, description="ngram: the shortest suffix looked up")
+    model: str | None = Field(None, description="draft_model: the draft's checkpoint")
+    quantization: str | None = Field(None, description="draft_model: the draft's quantization method")
 
     @model_validator(mode="after")
-    def _not_yet(self) -> SpeculativeConfig:
-        # Refused by value, not by presence: EngineArgs.flat() carries the defaults (method None)
-        # to the engine-core process, which must accept them.
-        if self.method is not None or self.num_speculative_tokens != 1:
+    def _consistent(self) -> SpeculativeConfig:
+        if self.min_ngram_size > self.max_ngram_size:
             raise ValueError(
-                "speculative_config is not supported yet: speculative decoding is not implemented; "
-                "drop --speculative-config"
+                f"min_ngram_size ({self.min_ngram_size}) is above max_ngram_size ({self.max_ngram_size}); "
+                "the ngram proposer looks up suffixes from max_ngram_size down to min_ngram_size tokens"
             )
+        for key in ("model", "quantization"):
+            if getattr(self, key) is not None:
+                raise ValueError(
+                    f"{key}: only a draft-model method reads it, and none is implemented yet (registered "
+                    'methods draft from the context: "ngram"); drop speculative_config.' + key
+                )
+        if self.method is None:
+            fields = type(self).model_fields
+            changed = sorted(k for k in self.model_fields_set if getattr(self, k) != fields[k].default)
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} given without a method: speculative decoding is off; add "
+                    '"method" (e.g. "ngram") or drop the other keys'
+                )
         return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
 
 
 class GraphOptConfig(_Section):
@@ -335,6 +365,8 @@ class EngineArgs(_Section):
         """Flat key -> section name, for every setting."""
         owners: dict[str, str] = {}
         for section, info in cls.model_fields.items():
+            if section in _SECTION_ONLY_FLAGS:
+                continue
             for key in info.annotation.model_fields:  # type: ignore[union-attr]
                 owners[key] = section
         owners["speculative_config"] = "speculative"
@@ -373,9 +405,17 @@ class EngineArgs(_Section):
         """The inverse of :meth:`create`: every setting under its flat name."""
         out: dict[str, Any] = {}
         for section in type(self).model_fields:
-            out.update(getattr(self, section).model_dump())
+            if section in _SECTION_ONLY_FLAGS:
+                value = getattr(self, section)
+                out[_SECTION_ONLY_FLAGS[section]] = value.model_dump(include=value.model_fields_set) or None
+            else:
+                out.update(getattr(self, section).model_dump())
         return out
 
+
+#: Sections reachable only through their JSON flag: their keys (``model``, ``quantization``)
+#: would collide with other sections' flat names.
+_SECTION_ONLY_FLAGS = {"speculative": "speculative_config"}
 
 #: Sections set as one JSON object by a flag of their own.
 _JSON_FLAGS = {"speculative": "speculative_config", "graph_opt": "graph_optimization_config"}
@@ -391,7 +431,9 @@ def validate_model(cls: type[BaseModel], data: dict[str, Any]) -> BaseModel:
 
 def _field_name(loc: tuple, flat: bool) -> str:
     parts = [str(p) for p in loc]
-    if flat and len(parts) > 1:
+    if flat and len(parts) > 1 and parts[0] in _SECTION_ONLY_FLAGS:
+        parts = [_SECTION_ONLY_FLAGS[parts[0]], *parts[1:]]  # a key inside the JSON flag
+    elif flat and len(parts) > 1:
         parts = parts[1:]  # drop the section: users wrote the flat flag name
     elif flat and parts and parts[0] in _JSON_FLAGS:
         parts = [_JSON_FLAGS[parts[0]]]  # a whole section set by one JSON flag: name the flag

@@ -100,5 +100,18 @@ def register_schedulers(register):
 
 
 @hookspec
+def register_proposers(register):
+    """Register speculative-decoding proposers: ``register("ngram", ProposerClass)``.
+
+    The name is the ``method`` of ``--speculative-config``; the class (or a ``"module:Class"``
+    string, imported only when that method is configured) subclasses
+    :class:`fastdeploy_core.spec_decode.base.Proposer`. A proposer only guesses the next tokens
+    of each decoding request; the engine has the target model score every guess in the same
+    batched step and keeps the longest prefix the target agrees with, so a proposer can change
+    speed, never the output.
+    """
+
+
+@hookspec
 def register_commands(app):
     """Add sub-commands to the ``fastdeploy`` typer application ``app``."""

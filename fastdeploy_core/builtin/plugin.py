@@ -44,6 +44,18 @@ def register_schedulers(register):
         register(name, target)
 
 
+#: The core's speculative-decoding proposers, imported when one is configured.
+BUILTIN_PROPOSERS: dict[str, str] = {
+    "ngram": "fastdeploy_core.spec_decode.ngram:NgramProposer",
+}
+
+
+@hookimpl
+def register_proposers(register):
+    for name, target in BUILTIN_PROPOSERS.items():
+        register(name, target)
+
+
 @hookimpl
 def register_commands(app):
     for module_name in CORE_COMMAND_MODULES:

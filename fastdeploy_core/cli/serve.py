@@ -57,6 +57,10 @@ def build_configs(preset: dict[str, Any], flags: dict[str, Any]):
     from fastdeploy_core.scheduler import scheduler_class
 
     scheduler_class(engine.scheduler.scheduler_name)  # an unknown name fails here, listing the registered ones
+    if engine.speculative.enabled:
+        from fastdeploy_core.spec_decode import proposer_class
+
+        proposer_class(engine.speculative)  # likewise an unknown speculative method, or a key it does not read
     return engine, server
 
 
@@ -85,6 +89,7 @@ def serve(
     device: str | None = typer.Option(None, "--device", help="Device name or auto."),
     use_cudagraph: bool | None = typer.Option(None, "--use-cudagraph/--no-use-cudagraph", help="Capture decode steps and replay them (default: on; on cpu the kernel calls are replayed from C++)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Never capture: run every step's Python forward (vLLM's flag)."),
+    speculative_config: str | None = typer.Option(None, "--speculative-config", help='Speculative decoding, FastDeploy JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: `fastdeploy plugins`; greedy requests speculate, others decode as usual).'),
     graph_optimization_config: str | None = typer.Option(None, "--graph-optimization-config", help='FastDeploy JSON, e.g. \'{"use_cudagraph": true, "cudagraph_capture_sizes": [1, 2, 4]}\'.'),
     api_key: list[str] | None = typer.Option(None, "--api-key", help="Accepted API key (repeatable); also env FD_API_KEY (comma-separated)."),
     max_concurrency: int | None = typer.Option(None, "--max-concurrency", help="Requests in the server at once; more get 429 (default: 512)."),
@@ -135,7 +140,7 @@ def serve(
         "quantization": quantization, "enable_prefix_caching": enable_prefix_caching,
         "enable_chunked_prefill": enable_chunked_prefill, "policy": policy, "device": device, "api_key": api_key or None,
         "use_cudagraph": use_cudagraph, "enforce_eager": enforce_eager or None,
-        "graph_optimization_config": graph_optimization_config,
+        "graph_optimization_config": graph_optimization_config, "speculative_config": speculative_config,
         "max_concurrency": max_concurrency, "max_waiting_time": max_waiting_time,
         "max_request_body_bytes": max_request_body_bytes, "protect_metrics": protect_metrics,
         "trust_request_chat_template": trust_request_chat_template,

@@ -204,6 +204,9 @@ class EngineCore:
         if self.prompt_sizer is not None:
             self.scheduler.prompt_token_cap = self.prompt_sizer.cap
         self.eos_token_ids = self._model_eos_ids()
+        from fastdeploy_core.spec_decode import build_proposer
+
+        self.proposer = build_proposer(args, self.vocab_size, self.max_model_len, plugin_manager)
         self._seed_sequence = np.random.SeedSequence(args.model.seed)
         self._choices: dict[str, list[str]] = {}  # request id -> core ids of its choices
         self._parent: dict[str, str] = {}  # core id -> request id
@@ -282,6 +285,8 @@ class EngineCore:
             self._forget(req)
 
     def _forget(self, req: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         parent = self._parent.pop(req.request_id, None)
         if parent is None:
             return
@@ -314,6 +319,8 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        if self.proposer is not None:
+            self._add_drafts(batch)
         started = time.perf_counter()
         result = self.runner.execute_model(batch.runner_input())
         if self.prompt_sizer is not None:
@@ -326,12 +333,14 @@ class EngineCore:
                     req.prompt_logprobs = [None]
                 req.prompt_logprobs.extend(entries)
         sampled = result.sampled_token_ids
-        self.scheduler.update(batch, sampled)
+        before = [req.num_output_tokens for req, _ in batch.scheduled]
+        self.scheduler.update(batch, sampled, result.spec_token_ids)
         outputs: list[EngineCoreOutput] = []
-        for (req, _), token, lp in zip(batch.scheduled, sampled, result.logprobs):
+        for (req, _), token, lp, num_before in zip(batch.scheduled, sampled, result.logprobs, before):
             if token is None or req.status == RequestStatus.FINISHED_ABORTED:
                 continue
-            self.num_generation_tokens_total += 1
+            new_tokens = req.output_token_ids[num_before:]  # one, or several from accepted drafts
+            self.num_generation_tokens_total += len(new_tokens)
             prompt_logprobs = None
             if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 prompt_logprobs = req.prompt_logprobs
@@ -340,7 +349,7 @@ class EngineCore:
                 EngineCoreOutput(
                     request_id=req.parent_id,
                     index=req.index,
-                    new_token_ids=[token],
+                    new_token_ids=new_tokens,
                     new_logprobs=[lp] if lp is not None else None,
                     prompt_logprobs=prompt_logprobs,
                     finished=req.is_finished,
@@ -353,6 +362,23 @@ class EngineCore:
                 self.num_requests_finished += 1
                 self._forget(req)
         return outputs
+
+    def _add_drafts(self, batch) -> None:
+        """Speculative decoding: the proposer's guesses for the decode rows that may speculate,
+        scheduled into this step (see :meth:`Scheduler.add_drafts`)."""
+        from fastdeploy_core.spec_decode import DraftRequest
+
+        candidates = self.scheduler.draft_candidates(batch, self.args.speculative.num_speculative_tokens)
+        if not candidates:
+            return
+        asks = []
+        for index, most in candidates:
+            req = batch.scheduled[index][0]
+            asks.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, most))
+        drafts = self.proposer.propose(asks)
+        self.scheduler.add_drafts(
+            batch, {index: tokens[:most] for (index, most), tokens in zip(candidates, drafts) if tokens}
+        )
 
     # ---- introspection ---------------------------------------------------------------------
     def get_stats(self) -> dict:
@@ -372,6 +398,24 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_finished": self.num_requests_finished,
             "num_requests_aborted": self.num_requests_aborted,
+            **self.speculative_stats(),
+        }
+
+    def speculative_stats(self) -> dict:
+        """Speculative decoding counters (FastDeploy's ``spec_decode_*`` metric names); empty
+        when it is off. Emitted tokens are accepted drafts plus the target's own token of each
+        speculating row; the mean accepted length is emitted tokens per speculating row-step."""
+        if self.proposer is None:
+            return {}
+        sched = self.scheduler
+        proposed, accepted, rows = sched.num_draft_tokens, sched.num_accepted_tokens, sched.num_speculative_rows
+        return {
+            "spec_decode_method": self.args.speculative.method,
+            "spec_decode_num_draft_tokens_total": proposed,
+            "spec_decode_num_accepted_tokens_total": accepted,
+            "spec_decode_num_emitted_tokens_total": accepted + rows,
+            "spec_decode_draft_acceptance_rate": accepted / proposed if proposed else 0.0,
+            "spec_decode_mean_accepted_length": (accepted + rows) / rows if rows else 0.0,
         }
 
     def config_info(self) -> dict:
@@ -388,5 +432,6 @@ class EngineCore:
             policy=self.args.scheduler.policy,
             eos_token_ids=list(self.eos_token_ids),
             generation_config=dict(self.model_source.generation_config),
+            speculative_config=self.proposer.describe() if self.proposer is not None else None,
         )
         return info

@@ -3,7 +3,8 @@
 A :class:`Request` is one sequence inside the engine core (an ``n > 1`` request becomes ``n``
 of them). Its phase is derived from counts: the scheduler only asks how many tokens are not in
 the KV cache yet (:attr:`Request.num_uncomputed_tokens`): many while prefilling (or recomputing
-after preemption), one while decoding.
+after preemption), one while decoding. A speculating decode step also computes the step's
+``draft_token_ids``; only the ones the target accepted count in ``num_computed_tokens``.
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ class Request:
     #: Prompt logprobs gathered chunk by chunk (index i: logprobs of prompt token i; 0 is None).
     prompt_logprobs: list[Any] | None = None
     prompt_logprobs_sent: bool = False
+    #: This step's speculative draft tokens (scheduled after the last token; cleared by the update).
+    draft_token_ids: list[int] = field(default_factory=list)
+    #: Draft tokens proposed for / accepted by this request so far (speculative decoding).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

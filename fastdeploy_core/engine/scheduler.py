@@ -30,6 +30,12 @@ the runner's :class:`~fastdeploy_core.executor.step_io.RunnerOutput`; the engine
 logprobs) and finishes requests on eos / ``stop_token_ids`` (after ``min_tokens``),
 ``max_tokens`` or ``max_model_len``.
 
+Speculative decoding: after :meth:`Scheduler.schedule`, the engine core asks
+:meth:`Scheduler.draft_candidates` which decode rows may speculate, has its proposer guess their
+next tokens, and :meth:`Scheduler.add_drafts` grows those rows to ``1 + k`` query tokens within
+the token budget and the free blocks (never preempting for a guess). :meth:`Scheduler.update`
+then counts only the accepted drafts as computed.
+
 :meth:`Scheduler.schedule` returns a :class:`ScheduledBatch` of the engine's own requests;
 :meth:`ScheduledBatch.runner_input` turns it into the plain rows the runner reads
 (:class:`~fastdeploy_core.executor.step_io.SchedulerOutput`).
@@ -47,6 +53,23 @@ from fastdeploy_core.engine.request import Request, RequestStatus
 from fastdeploy_core.executor.step_io import ScheduledRequest, SchedulerOutput
 
 POLICIES = ("fcfs", "priority")
+
+
+def speculates(req: Request) -> bool:
+    """Whether ``req``'s tokens may come from verified drafts: greedy, and nothing in its
+    sampling depends on the position (penalties, logprobs, bad words, the ``min_tokens`` mask),
+    so the target's token at every draft position is a plain argmax. Other requests decode one
+    token per step beside speculating ones; their distribution is never touched."""
+    sp = req.sampling_params
+    return (
+        sp.is_greedy
+        and sp.logprobs is None
+        and sp.resolved("repetition_penalty") == 1.0
+        and sp.presence_penalty == 0.0
+        and sp.frequency_penalty == 0.0
+        and not sp.bad_words_token_ids
+        and req.num_output_tokens >= sp.min_tokens
+    )
 
 
 @dataclass
@@ -68,7 +91,7 @@ class ScheduledBatch:
     def samples(self, index: int) -> bool:
         """Whether request ``index`` reaches its last token this step (so a token is sampled)."""
         req, n = self.scheduled[index]
-        return req.num_computed_tokens + n == req.num_tokens
+        return req.num_computed_tokens + n - len(req.draft_token_ids) == req.num_tokens
 
     def runner_input(self) -> SchedulerOutput:
         """The step as the runner reads it: one plain row per scheduled request."""
@@ -88,6 +111,7 @@ class ScheduledBatch:
                     generator=req.generator,
                     samples=self.samples(i),
                     prompt_logprobs_from=len(done) - 1 if done is not None else 0,
+                    draft_token_ids=req.draft_token_ids,
                 )
             )
         return SchedulerOutput(rows)
@@ -126,6 +150,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.num_preemptions = 0
+        #: Speculative decoding: draft tokens scored, and those the target accepted.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_speculative_rows = 0  # row-steps that carried drafts (each emits accepted + 1)
 
     # ---- queue -----------------------------------------------------------------------------
     def _key(self, req: Request) -> tuple:
@@ -246,6 +274,44 @@ class Scheduler:
                 prompt_budget -= num_new
                 first_prompt = False
 
+    # ---- speculative decoding --------------------------------------------------------------
+    def draft_candidates(self, out: ScheduledBatch, max_drafts: int) -> list[tuple[int, int]]:
+        """``(batch index, most drafts)`` for the rows of ``out`` that may speculate this step.
+
+        A row speculates when it decodes one token, its request samples greedily with nothing
+        that depends on the position (no penalties, logprobs, bad words, or ``min_tokens`` mask
+        still on: then each position's target token is a plain argmax, and accepting a draft
+        cannot change the output), and its length limit leaves room: accepting ``d`` drafts
+        emits ``d + 1`` tokens."""
+        found = []
+        for index, (req, n) in enumerate(out.scheduled):
+            if n != 1 or req.num_uncomputed_tokens != 1 or not speculates(req):
+                continue
+            room = min(max_drafts, req.max_total_tokens - req.num_tokens - 1)
+            if room > 0:
+                found.append((index, room))
+        return found
+
+    def add_drafts(self, out: ScheduledBatch, drafts: dict[int, list[int]]) -> int:
+        """Append ``drafts[index]`` to those decode rows of ``out``, within the step's token
+        budget and the free KV blocks (a draft never preempts anyone: what does not fit is cut).
+        Returns the number of draft tokens scheduled."""
+        budget = self.max_num_batched_tokens - out.num_scheduled_tokens
+        bm = self.block_manager
+        added = 0
+        for index, tokens in drafts.items():
+            req, n = out.scheduled[index]
+            tokens = list(tokens[: max(0, budget)])
+            while tokens and not bm.append(req, req.num_computed_tokens + n + len(tokens)):
+                tokens.pop()
+            if not tokens:
+                continue
+            req.draft_token_ids = tokens
+            out.scheduled[index] = (req, n + len(tokens))
+            budget -= len(tokens)
+            added += len(tokens)
+        return added
+
     def _within_prompt_share(self, req: Request, num_tokens: int, cached: list[int]) -> bool:
         """Whether admitting ``req`` with ``num_tokens`` keeps the blocks in use within
         :attr:`prompt_block_share` of the pool (a lone request is always admitted)."""
@@ -264,14 +330,21 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, req, key=self._key)
 
-    def update(self, out: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
+    def update(
+        self, out: ScheduledBatch, sampled: list[int | None], spec: list[list[int] | None] | None = None
+    ) -> list[Request]:
         """Advance counts by the step's tokens; ``sampled[i]`` is the new token of request ``i``
-        (``RunnerOutput.sampled_token_ids``: None while a prompt chunk is not the last).
-        Returns the requests that finished."""
+        (``RunnerOutput.sampled_token_ids``: None while a prompt chunk is not the last);
+        ``spec[i]``, for a row that carried drafts, the tokens it emits
+        (``RunnerOutput.spec_token_ids``). Returns the requests that finished."""
         finished: list[Request] = []
         now = time.time()
         bm = self.block_manager
-        for (req, num_new), token in zip(out.scheduled, sampled):
+        for i, ((req, num_new), token) in enumerate(zip(out.scheduled, sampled)):
+            if req.draft_token_ids:
+                if self._update_speculative(req, spec[i] if spec else None, now):
+                    finished.append(req)
+                continue
             if req.is_finished:  # aborted since it was scheduled
                 continue
             req.num_computed_tokens += num_new
@@ -287,6 +360,37 @@ class Scheduler:
                 self._finish(req, status, now)
                 finished.append(req)
         return finished
+
+    def _update_speculative(self, req: Request, tokens: list[int] | None, now: float) -> bool:
+        """Apply a speculating row's emitted tokens (accepted drafts + the target's next one).
+
+        Only the accepted tokens' K/V count as computed: the row computed its last token and
+        ``k`` drafts, and ``len(tokens) - 1`` drafts were accepted, so ``num_computed_tokens``
+        grows by ``len(tokens)``. The rejected drafts' cache slots are beyond that count: the
+        next step writes over them, and blocks taken for them stay in the table for the tokens
+        that follow (never registered in the prefix cache, which takes computed blocks only).
+        Tokens after one that finishes the request are dropped. Returns whether it finished."""
+        drafts = req.draft_token_ids
+        req.draft_token_ids = []
+        if req.is_finished or not tokens:  # aborted since it was scheduled
+            return False
+        req.num_draft_tokens += len(drafts)
+        req.num_accepted_tokens += len(tokens) - 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += len(tokens) - 1
+        self.num_speculative_rows += 1
+        req.num_computed_tokens += len(tokens)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        for token in tokens:
+            req.append_output_token(int(token))
+            status = self._stop_status(req, int(token))
+            if status is not None:
+                self.block_manager.cache_full_blocks(req)
+                self._finish(req, status, now)
+                return True
+        self.block_manager.cache_full_blocks(req)
+        return False
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         if req.num_output_tokens >= req.sampling_params.min_tokens and token in req.eos_token_ids:

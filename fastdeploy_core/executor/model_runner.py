@@ -10,7 +10,10 @@ weights), sizes and allocates the paged KV cache, and executes one
   mapping, block tables) built on the host with numpy; the model runs once over it;
 * logits are computed only for the last token of each sequence that completes its prompt or
   decodes this step (plus all prompt rows of requests asking for ``prompt_logprobs``);
-* the :class:`~fastdeploy_core.executor.sampler.Sampler` picks the tokens.
+* the :class:`~fastdeploy_core.executor.sampler.Sampler` picks the tokens;
+* a row carrying speculative draft tokens (``1 + k`` query tokens) gets the target's greedy
+  token at all ``k + 1`` positions and keeps the drafts it agrees with (speculative steps run
+  eagerly; only one-token decode steps replay captured graphs).
 
 KV cache size: ``--num-gpu-blocks-override`` blocks or ``--kv-cache-memory`` bytes if given;
 else the device's default budget (``Device.default_kv_budget``), measured against the memory
@@ -32,7 +35,7 @@ from fastdeploy_core.config import EngineArgs, check_dtype
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.errors import ConfigError, ModelLoadError, OutOfKVCacheError
 from fastdeploy_core.executor.forward_meta import ForwardMeta
-from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs
+from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs, verify_greedy
 from fastdeploy_core.executor.step_io import RunnerOutput, SchedulerOutput
 from fastdeploy_core.host_memory import returned_after_loading
 from fastdeploy_core.layers.kv_layout import KVCacheLayout, kv_cache_layout
@@ -279,9 +282,7 @@ class ModelRunner:
         np.cumsum(q_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         input_ids = np.fromiter(
-            (t for r, s in zip(reqs, starts) for t in r.all_token_ids[s : s + r.num_new_tokens]),
-            dtype=np.int64,
-            count=num_tokens,
+            (t for r in reqs for t in r.query_token_ids()), dtype=np.int64, count=num_tokens
         )
         row_seq = np.repeat(np.arange(len(reqs)), q_lens)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - starts, q_lens)
@@ -322,8 +323,10 @@ class ModelRunner:
             meta = self.prepare_inputs(out)
             hidden = self.model.forward(meta, self.kv_caches)
         result = RunnerOutput([None] * len(reqs), [None] * len(reqs), self._prompt_logprobs(out, meta, hidden))
+        result.spec_token_ids = [None] * len(reqs)
+        self._verify_drafts(out, meta, hidden, result)
 
-        sample_rows = [i for i, r in enumerate(reqs) if r.samples]
+        sample_rows = [i for i, r in enumerate(reqs) if r.samples and not r.draft_token_ids]
         if not sample_rows:
             return result
         rows = meta.query_start_loc[1:][sample_rows] - 1
@@ -342,6 +345,32 @@ class ModelRunner:
             result.sampled_token_ids[i] = token
             result.logprobs[i] = lp
         return result
+
+    def _verify_drafts(self, out: SchedulerOutput, meta: ForwardMeta, hidden, result: RunnerOutput) -> None:
+        """Speculating rows: the target's greedy token at each of the row's ``k + 1`` positions
+        (its last token and each draft), then the accepted prefix plus one
+        (:func:`~fastdeploy_core.executor.sampler.verify_greedy`) into ``result``.
+
+        The engine gives drafts only to plain-greedy rows (no penalties, logprobs or masks), so
+        each position's token is the argmax the one-token decode step would take."""
+        reqs = out.requests
+        spec_rows = [i for i, r in enumerate(reqs) if r.draft_token_ids]
+        if not spec_rows:
+            return
+        positions = np.concatenate([meta.query_start_loc[i] + np.arange(reqs[i].num_new_tokens) for i in spec_rows])
+        spec_hidden = paddle.index_select(hidden, paddle.to_tensor(positions), axis=0)
+        greedy_tokens = getattr(self.model, "compute_greedy_tokens", None)
+        if greedy_tokens is not None:
+            targets = [int(t) for t in greedy_tokens(spec_hidden)]
+        else:
+            targets = [int(t) for t in self.ops.argmax_rows(self.model.compute_logits(spec_hidden))]
+        offset = 0
+        for i in spec_rows:
+            n = reqs[i].num_new_tokens
+            tokens = verify_greedy(targets[offset : offset + n], reqs[i].draft_token_ids)
+            offset += n
+            result.spec_token_ids[i] = tokens
+            result.sampled_token_ids[i] = tokens[0]
 
     def _prompt_logprobs(self, out: SchedulerOutput, meta: ForwardMeta, hidden) -> list[list[dict] | None]:
         """Per row: the prompt logprobs of the positions computed this step that the engine does

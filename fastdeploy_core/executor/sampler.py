@@ -158,3 +158,22 @@ class Sampler:
         while probs[token] == 0.0 and token > 0:  # float edge at the top of the CDF
             token -= 1
         return token
+
+
+def verify_greedy(target_token_ids: list[int], draft_token_ids: list[int]) -> list[int]:
+    """Greedy acceptance of speculative drafts: the tokens a speculating row emits.
+
+    ``target_token_ids[j]`` is the target's greedy token after the row's last token and the
+    first ``j`` drafts (``k + 1`` of them for ``k`` drafts). Drafts are kept while each equals
+    the target's token at its position; the target's token at the first disagreement (or after
+    the last draft) follows. Every emitted token is the target's own argmax given the tokens
+    before it, so the output is exactly what one-token-per-step greedy decoding gives.
+    """
+    out: list[int] = []
+    for target, draft in zip(target_token_ids, draft_token_ids):
+        out.append(int(target))
+        if int(target) != int(draft):
+            return out
+    out.append(int(target_token_ids[len(draft_token_ids)]))
+    return out
+

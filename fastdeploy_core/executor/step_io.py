@@ -76,10 +76,21 @@ class ScheduledRequest:
     #: position ``p`` predicts prompt token ``p + 1``); after a preemption the prompt is computed
     #: again but its logprobs are not returned twice.
     prompt_logprobs_from: int = 0
+    #: Speculative draft tokens scored after the row's last token (``num_new_tokens`` counts them):
+    #: the runner returns the target's tokens for the accepted prefix plus one
+    #: (:attr:`RunnerOutput.spec_token_ids`). Empty for rows that do not speculate.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def query_token_ids(self) -> list[int]:
+        """The tokens this row feeds the model: the uncomputed ones, then any draft tokens."""
+        start = self.num_computed_tokens
+        if not self.draft_token_ids:
+            return self.all_token_ids[start : start + self.num_new_tokens]
+        return self.all_token_ids[start:] + self.draft_token_ids
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -114,3 +125,7 @@ class RunnerOutput:
     #: computed this step from ``prompt_logprobs_from`` on, in position order (possibly empty);
     #: None for the other rows.
     prompt_logprobs: list[list[dict[int, float]] | None]
+    #: For rows with draft tokens: the target's tokens for the longest agreeing prefix of the
+    #: drafts plus the one after it (1 to k + 1 tokens; ``sampled_token_ids`` holds the first);
+    #: None for the other rows.
+    spec_token_ids: list[list[int] | None] = field(default_factory=list)

@@ -81,10 +81,13 @@ FIELDS: dict[tuple[str, str], tuple] = {
     ("parallel", "device"): read(RUNNER, "pm.select_device(args.parallel.device)"),
     ("parallel", "attention_backend"): read(RUNNER, "make_ops(args.parallel.attention_backend)"),
     ("quant", "quantization"): read(RUNNER, "args.quant.quantization,"),
-    ("speculative", "method"): refused("ngram", "speculative_config is not supported yet", "speculative_config"),
-    ("speculative", "num_speculative_tokens"): refused(
-        2, "speculative_config is not supported yet", "speculative_config"
-    ),
+    # Looked up among registered proposers when the engine starts (fastdeploy_core/spec_decode/).
+    ("speculative", "method"): read("spec_decode/__init__.py", "manager.proposers.get(name)"),
+    ("speculative", "num_speculative_tokens"): read(CORE, "self.args.speculative.num_speculative_tokens"),
+    ("speculative", "max_ngram_size"): read("spec_decode/ngram.py", "cfg.max_ngram_size"),
+    ("speculative", "min_ngram_size"): read("spec_decode/ngram.py", "cfg.min_ngram_size"),
+    ("speculative", "model"): refused("/draft", "only a draft-model method reads it", "speculative_config"),
+    ("speculative", "quantization"): refused("wint4", "only a draft-model method reads it", "speculative_config"),
     ("graph_opt", "use_cudagraph"): read(CONFIG, "return self.use_cudagraph and not self.enforce_eager"),
     ("graph_opt", "enforce_eager"): read(CONFIG, "return self.use_cudagraph and not self.enforce_eager"),
     ("graph_opt", "cudagraph_capture_sizes"): read(RUNNER, "graph_opt.cudagraph_capture_sizes"),
@@ -147,12 +150,15 @@ def test_read_fields_are_read_where_the_table_says(key):
 def test_refused_fields_raise_a_config_error_saying_so(key):
     _, name = key
     _, value, says, param = FIELDS[key]
+    section_only = key[0] == "speculative"  # set only inside --speculative-config's JSON
+    given = {"speculative_config": {"method": "ngram", name: value}} if section_only else {name: value}
     with pytest.raises(ConfigError) as info:
-        EngineArgs.create(**{name: value})
+        EngineArgs.create(**given)
     assert says in info.value.message
     assert info.value.param == (param or name)
     # The section's default is what runs and is accepted: /config-info shows it, not an effect.
-    EngineArgs.create(**{name: EngineArgs().flat()[name]})
+    default = getattr(getattr(EngineArgs(), key[0]), name)
+    EngineArgs.create(**({"speculative_config": {name: default}} if section_only else {name: default}))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

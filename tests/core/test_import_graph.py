@@ -22,6 +22,7 @@ LAYERS = [
     {"quantization"},
     {"tokenizer"},
     {"executor"},
+    {"spec_decode"},
     {"scheduler"},
     {"engine"},
     {"entrypoints"},

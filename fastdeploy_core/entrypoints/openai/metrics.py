@@ -79,6 +79,34 @@ class _EngineStateCollector:
                                 value=float(s.get("scheduler_queue_depth", 0) or 0))
         for name, doc in _SCHEDULER_COUNTERS.items():
             yield CounterMetricFamily(f"fastdeploy:{name}", doc, value=float(s.get(name, 0) or 0))
+        yield from _speculative_metrics(s)
+
+
+#: Speculative decoding (FastDeploy's names), present while --speculative-config is on.
+_SPEC_COUNTERS = {
+    "spec_decode_num_draft_tokens_total": "Draft tokens the proposer gave and the target scored",
+    "spec_decode_num_accepted_tokens_total": "Draft tokens the target accepted",
+    "spec_decode_num_emitted_tokens_total": "Tokens emitted by speculating steps (accepted drafts + the target's own)",
+}
+_SPEC_GAUGES = {
+    "spec_decode_draft_acceptance_rate": "Accepted draft tokens / draft tokens scored",
+    "spec_decode_mean_accepted_length": "Tokens emitted per speculating step of a request",
+}
+
+
+def _speculative_metrics(s: dict[str, Any]):
+    """The engine's ``spec_decode_*`` statistics, labelled with the method; nothing when off."""
+    method = s.get("spec_decode_method")
+    if not method:
+        return
+    for name, doc in _SPEC_COUNTERS.items():
+        family = CounterMetricFamily(f"fastdeploy:{name}", doc, labels=["method"])
+        family.add_metric([method], float(s.get(name, 0) or 0))
+        yield family
+    for name, doc in _SPEC_GAUGES.items():
+        family = GaugeMetricFamily(f"fastdeploy:{name}", doc, labels=["method"])
+        family.add_metric([method], float(s.get(name, 0) or 0))
+        yield family
 
 
 class ServerMetrics:

@@ -62,7 +62,10 @@ def test_api_keys_from_flags_and_env(monkeypatch):
         ("tensor_parallel_size", 2, "tensor_parallel_size: got 2; tensor parallelism is not supported yet"),
         ("scheduler_name", "nosuch", ("scheduler_name: no scheduler 'nosuch' is registered; registered schedulers: "
                                       "global (fastdeploy-core), local (fastdeploy-core)")),
-        ("speculative_config", {"method": "ngram"}, "speculative_config: speculative_config is not supported yet"),
+        ("speculative_config", {"method": "mtp"}, ("speculative_config.method: no speculative decoding method 'mtp' "
+                                                    "is registered; registered methods: ngram (fastdeploy-core)")),
+        ("speculative_config", {"method": "ngram", "num_speculative_tokens": 0},
+         "speculative_config.num_speculative_tokens: got 0; must be >= 1"),
     ],
 )
 def test_options_that_would_do_nothing_are_refused_from_flags_and_presets(tmp_path, key, value, says):

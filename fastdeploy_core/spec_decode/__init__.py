@@ -1,0 +1,68 @@
+"""Speculative decoding: proposers (the contract in :mod:`.base`, ``ngram`` in :mod:`.ngram`).
+
+A proposer guesses the next tokens of decoding requests; the engine's scheduler makes room
+for them in the step (:meth:`fastdeploy_core.engine.scheduler.Scheduler.add_drafts`), the
+runner has the target score them in the same ragged batch and keeps what the target agrees
+with (:func:`fastdeploy_core.executor.sampler.verify_greedy`). Methods are registered through
+the ``register_proposers`` hook and looked up here by ``--speculative-config``'s ``method``.
+
+This room sits above the executor (a draft-model proposer drives a runner of its own) and
+below the engine, which calls the proposer each step.
+"""
+
+from __future__ import annotations
+
+from fastdeploy_core.config import EngineArgs, SpeculativeConfig
+from fastdeploy_core.errors import ConfigError
+from fastdeploy_core.plugins import get_plugin_manager, import_target
+from fastdeploy_core.spec_decode.base import DraftRequest, Proposer, ProposerContext
+
+__all__ = ["DraftRequest", "Proposer", "ProposerContext", "build_proposer", "proposer_class"]
+
+#: FastDeploy methods that no package provides here, and why.
+UNPROVIDED_FASTDEPLOY_METHODS = {
+    "mtp": "multi-token-prediction layers are not implemented here yet",
+    "draft_model": "a separate draft model is not implemented here yet",
+    "suffix": "suffix decoding is not implemented here",
+    "naive": "FastDeploy's no-draft code path has no use here (leave speculative_config out)",
+}
+
+
+def proposer_class(config: SpeculativeConfig, manager=None) -> type[Proposer]:
+    """The class registered as ``config.method``, its settings checked; ConfigError otherwise."""
+    manager = manager or get_plugin_manager()
+    name = config.method
+    target = manager.proposers.get(name)
+    if target is None:
+        registered = ", ".join(
+            f"{key} ({manager.proposers.entry(key).distribution})" for key in sorted(manager.proposers.keys())
+        )
+        why = UNPROVIDED_FASTDEPLOY_METHODS.get(name)
+        hint = (
+            f"FastDeploy's {name!r}: {why}"
+            if why
+            else "a third-party method is a package registering it through register_proposers "
+            "(docs/writing-a-plugin.md); install it, or pick a registered one"
+        )
+        raise ConfigError(
+            f"speculative_config.method: no speculative decoding method {name!r} is registered; "
+            f"registered methods: {registered or 'none'}; {hint}",
+            param="speculative_config.method",
+        )
+    cls = import_target(target)
+    if not (isinstance(cls, type) and issubclass(cls, Proposer)):
+        raise ConfigError(
+            f"speculative_config.method: {name!r} is registered as {target!r}, which is not a "
+            "fastdeploy_core.spec_decode.base.Proposer subclass; fix the plugin that registers it",
+            param="speculative_config.method",
+        )
+    cls.check_config(config)
+    return cls
+
+
+def build_proposer(args: EngineArgs, vocab_size: int, max_model_len: int, manager=None) -> Proposer | None:
+    """The proposer ``args.speculative`` asks for, or None when speculative decoding is off."""
+    if not args.speculative.enabled:
+        return None
+    cls = proposer_class(args.speculative, manager)
+    return cls(args.speculative, ProposerContext(args, vocab_size, max_model_len))

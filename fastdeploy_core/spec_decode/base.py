@@ -1,0 +1,83 @@
+"""The proposer contract: what a speculative-decoding method implements.
+
+A proposer guesses, for each decoding request of a step, up to ``max_tokens`` tokens that the
+target model is likely to produce next. It never decides what is emitted: the engine appends
+the guesses to the request's row of the same batched step (a row of ``1 + k`` query tokens),
+the runner computes the target's own token at each of the ``k + 1`` positions, and the longest
+prefix of the guesses the target agrees with is kept, plus the target's token after it. So a
+proposer changes how many tokens a step yields, never which tokens.
+
+Proposers are registered through the ``register_proposers`` hook (the core's own ``ngram`` in
+``fastdeploy_core/builtin/plugin.py``) and chosen by ``--speculative-config``'s ``method``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from fastdeploy_core.config import EngineArgs, SpeculativeConfig
+from fastdeploy_core.errors import ConfigError
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    """One decoding request asking for draft tokens this step."""
+
+    request_id: str
+    #: Prompt then generated tokens so far (the engine's list: read it, never keep or change it).
+    token_ids: list[int]
+    num_prompt_tokens: int
+    #: Propose at most this many (the speculative budget, clipped to the request's length limit).
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class ProposerContext:
+    """What a proposer may know about the engine it serves."""
+
+    engine_args: EngineArgs
+    vocab_size: int
+    max_model_len: int
+
+
+class Proposer(ABC):
+    """Base of speculative-decoding proposers (see the module docstring).
+
+    Subclasses set :attr:`reads` to the ``--speculative-config`` keys they use beyond
+    ``method`` and ``num_speculative_tokens``; a key given for a method that does not read it
+    is refused (an option that does nothing would mislead its user).
+    """
+
+    #: The ``--speculative-config`` keys (besides method/num_speculative_tokens) this method reads.
+    reads: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext):
+        self.config = config
+        self.context = context
+
+    @classmethod
+    def check_config(cls, config: SpeculativeConfig) -> None:
+        """Refuse keys this method would not read (ConfigError naming them)."""
+        ignored = sorted(
+            k for k in config.model_fields_set - {"method", "num_speculative_tokens"} if k not in cls.reads
+        )
+        if ignored:
+            keys = ", ".join(f"speculative_config.{k}" for k in ignored)
+            reads = ", ".join(sorted(cls.reads)) or "no other key"
+            raise ConfigError(
+                f"{keys}: method {config.method!r} does not read it (it reads {reads}); drop it",
+                param=f"speculative_config.{ignored[0]}",
+            )
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """Draft tokens for each request, in order: at most ``max_tokens`` each, ``[]`` for none."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was preempted: drop any state kept for it (none by default)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Settings for ``/config-info``."""
+        return self.config.model_dump(include={"method", "num_speculative_tokens", *self.reads})

@@ -1,0 +1,155 @@
+"""Speculative decoding through the engine: tokens identical to speculation off.
+
+A tiny random Llama (fast) covers preemption, prefix-cache hits, chunked prefill, n > 1 and
+mixed batches at the engine-core level; the default model (slow) covers 16 batched chat and
+raw prompts through ``LLM`` with stop strings.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import pytest
+
+from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.engine.engine_core import EngineCore
+from fastdeploy_core.engine.outputs import EngineCoreRequest
+from fastdeploy_core.engine.sampling_params import SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "min_ngram_size": 1, "max_ngram_size": 3}
+PROMPTS = [
+    [5, 9, 17, 33, 2, 7, 100, 64, 3, 5, 9, 17, 33, 2],
+    [5, 9, 17, 33, 2, 7, 100, 64, 3, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57],
+    [1],
+    [90, 91, 92, 93, 94, 95, 96, 97, 90, 91, 92, 93, 94, 95, 96, 97, 90, 91],
+    [12, 12, 12, 12, 30],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = str(tmp_path_factory.mktemp("tiny"))
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def make_core(path: str, spec: dict | None, **kw) -> EngineCore:
+    settings = {"model": path, "max_model_len": 96, "block_size": 4, "num_gpu_blocks_override": 256}
+    settings.update(kw)
+    if spec:
+        settings["speculative_config"] = spec
+    return EngineCore(EngineArgs.create(**settings))
+
+
+def run(core: EngineCore, requests) -> dict:
+    for rid, prompt, params in requests:
+        core.add_request(EngineCoreRequest(rid, prompt, params))
+    outs: dict = {}
+    steps = 0
+    while core.has_unfinished_requests():
+        steps += 1
+        assert steps < 10_000
+        for out in core.step():
+            outs.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks, "KV blocks leaked"
+    core.block_manager.check_invariants([])
+    return outs
+
+
+def greedy(max_tokens: int = 40, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def batch() -> list:
+    reqs = [(f"g{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
+    reqs.append(("hot", PROMPTS[0], SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=30)))
+    reqs.append(("pen", PROMPTS[3], greedy(repetition_penalty=1.3)))
+    reqs.append(("lp", PROMPTS[1], greedy(logprobs=2, max_tokens=10)))
+    reqs.append(("n3", PROMPTS[4], SamplingParams(temperature=0, n=3, max_tokens=30, ignore_eos=True)))
+    return reqs
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"num_gpu_blocks_override": 24},  # 96 slots for 11 sequences: preemption
+        {"max_num_batched_tokens": 8},  # chunked prompts, and drafts cut by the step budget
+        {"enable_prefix_caching": False},
+    ],
+    ids=["plain", "preemption", "chunked", "no-prefix-cache"],
+)
+def test_mixed_batches_give_the_tokens_of_speculation_off(tiny, settings):
+    off = run(make_core(tiny, None, **settings), batch())
+    core = make_core(tiny, NGRAM, **settings)
+    on = run(core, batch())
+    assert on == off
+    stats = core.get_stats()
+    assert stats["spec_decode_num_accepted_tokens_total"] > 0, stats
+    assert stats["spec_decode_num_draft_tokens_total"] >= stats["spec_decode_num_accepted_tokens_total"]
+    assert stats["generation_tokens_total"] == sum(len(t) for t in on.values())
+    if "num_gpu_blocks_override" in settings:
+        assert stats["num_preemptions"] > 0
+
+
+def test_prefix_cache_hits_with_speculation(tiny):
+    core = make_core(tiny, NGRAM)
+    first = run(core, [("a", PROMPTS[3], greedy())])
+    again = run(core, [("b", PROMPTS[3] + first[("a", 0)][:20], greedy(20))])
+    ref = run(make_core(tiny, None), [("b", PROMPTS[3] + first[("a", 0)][:20], greedy(20))])
+    assert again == ref
+    assert core.get_stats()["prefix_cache_hit_tokens"] >= 32  # prompt + accepted output blocks were cached
+
+
+def test_speculation_runs_beside_captured_decode_steps(tiny):
+    """Captured graphs replay the one-token decode steps; speculative steps run eagerly."""
+    eager = run(make_core(tiny, NGRAM, enforce_eager=True), batch())
+    core = make_core(tiny, NGRAM)
+    assert run(core, batch()) == eager
+    assert core.config_info()["speculative_config"] == NGRAM
+
+
+@pytest.mark.slow
+def test_default_model_16_chat_and_raw_requests_match_speculation_off():
+    from fastdeploy_core import LLM
+
+    text = ("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
+            "for i in range(10):\n    print(i, fib(i))\n")
+    chats = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": f"Rewrite this code with a docstring added:\n{text}"}],
+        [{"role": "user", "content": "Repeat exactly: the cat sat on the mat, the cat sat on the mat."}],
+        [{"role": "user", "content": "List the days of the week."}],
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+        [{"role": "user", "content": "Explain what a hash map is in two sentences."}],
+        [{"role": "user", "content": "Translate to French: good morning, my friend."}],
+        [{"role": "user", "content": "Count from 1 to 20 separated by commas."}],
+    ]
+    raws = [
+        text, "The capital of France is", "1, 2, 3, 4, 5, 6, 7, 8,", "Once upon a time",
+        "A B C D E F G A B C D", "import numpy as np\n\n", text + "\n# The same code again:\n", "Q: What is 2+2?\nA:",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    stop = SamplingParams(temperature=0, max_tokens=48, stop=["fib(3)"])
+    outs = {}
+    for name, spec in (("off", None), ("on", {"method": "ngram", "num_speculative_tokens": 4})):
+        llm = LLM(max_model_len=1024, num_gpu_blocks_override=64, max_num_seqs=16, speculative_config=spec)
+        got = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+        got += [o.outputs[0].token_ids for o in llm.generate(raws, params, use_tqdm=False)]
+        got.append(llm.generate(text, stop, use_tqdm=False)[0].outputs[0].text)
+        outs[name] = got
+        if spec:
+            stats = llm.engine.get_stats()
+            assert stats["spec_decode_num_accepted_tokens_total"] > 20, stats
+        del llm
+    assert outs["on"] == outs["off"]
