@@ -235,6 +235,18 @@ class GraphOptConfig(_Section):
         return self.use_cudagraph and not self.enforce_eager
 
 
+class StructuredOutputConfig(_Section):
+    """Structured output and tool calling (FastDeploy's flag names).
+
+    ``guided_decoding_backend`` names a registered backend (``auto`` prefers ``guidance``; ``off``
+    refuses constrained requests); ``tool_call_parser`` a registered tool-call parser, which the
+    API server uses to find the tool calls in the text of ``tool_choice: auto`` replies.
+    """
+
+    guided_decoding_backend: str = Field("auto", min_length=1)
+    tool_call_parser: str | None = None
+
+
 class ServerConfig(_Section):
     """The HTTP server."""
 
@@ -268,6 +280,7 @@ class EngineArgs(_Section):
     quant: QuantizationConfig = Field(default_factory=QuantizationConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     graph_opt: GraphOptConfig = Field(default_factory=GraphOptConfig)
+    structured: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "EngineArgs":

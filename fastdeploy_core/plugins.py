@@ -47,7 +47,14 @@ KNOWN_DEVICE_PACKAGES = {
 #: GGUF ``general.architecture`` -> the model plugin that registers it, for "install X" messages.
 KNOWN_GGUF_PACKAGES = {"llama": "fd-llama"}
 
-HOOK_NAMES = ("register_devices", "register_models", "register_quantizers", "register_schedulers")
+HOOK_NAMES = (
+    "register_devices",
+    "register_models",
+    "register_quantizers",
+    "register_schedulers",
+    "register_guided_backends",
+    "register_tool_parsers",
+)
 
 T = TypeVar("T")
 
@@ -139,6 +146,8 @@ class PluginManager:
         self.gguf_architectures: Registry[tuple[str, hookspecs.GGUFArchitecture]] = Registry("GGUF architecture")
         self.quantizers: Registry[type] = Registry("quantization method")
         self.schedulers: Registry[type] = Registry("scheduler")
+        self.guided_backends: Registry[Any] = Registry("guided decoding backend")
+        self.tool_parsers: Registry[Any] = Registry("tool call parser")
         self._info_by_name: dict[str, PluginInfo] = {}
 
     # ---- loading ---------------------------------------------------------------------------
@@ -205,7 +214,12 @@ class PluginManager:
                     info.gguf_architectures.append(f"{gguf.name} -> {architecture}")
 
         else:
-            registry = self.quantizers if hook_name == "register_quantizers" else self.schedulers
+            registry = {
+                "register_quantizers": self.quantizers,
+                "register_schedulers": self.schedulers,
+                "register_guided_backends": self.guided_backends,
+                "register_tool_parsers": self.tool_parsers,
+            }[hook_name]
 
             def register(name: str, cls: type) -> None:
                 registry.add(name, cls, info)

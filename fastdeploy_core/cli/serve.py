@@ -57,6 +57,11 @@ def build_configs(preset: dict[str, Any], flags: dict[str, Any]):
     from fastdeploy_core.scheduler import scheduler_class
 
     scheduler_class(engine.scheduler.scheduler_name)  # an unknown name fails here, listing the registered ones
+    from fastdeploy_core.entrypoints.openai.tool_parsers import tool_parser_class
+    from fastdeploy_core.guided.registry import guided_backend_class
+
+    guided_backend_class(engine.structured.guided_decoding_backend)
+    tool_parser_class(engine.structured.tool_call_parser)
     return engine, server
 
 
@@ -111,6 +116,8 @@ def serve(
     scheduler_writer_parallel: int | None = typer.Option(None, "--scheduler-writer-parallel", help="global: Redis connections for writing (default: 4)."),
     scheduler_reader_batch_size: int | None = typer.Option(None, "--scheduler-reader-batch-size", help="global: result batches read per round trip (default: 200)."),
     scheduler_writer_batch_size: int | None = typer.Option(None, "--scheduler-writer-batch-size", help="global: outputs per result batch written (default: 200)."),
+    guided_decoding_backend: str | None = typer.Option(None, "--guided-decoding-backend", help="Structured output (response_format json_object/json_schema, guided_json/regex/choice/grammar): auto (default: guidance) | guidance (llguidance) | xgrammar (when a plugin provides it) | off."),
+    tool_call_parser: str | None = typer.Option(None, "--tool-call-parser", help="How tool calls are found in replies to tool_choice auto: hermes (<tool_call>{...}</tool_call>, SmolLM2/Qwen) | llama3_json | one a plugin registers. Without it, tool_choice auto answers in text."),
     config: str | None = typer.Option(None, "--config", help="YAML preset of these flags (dash or underscore names); flags given here win."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
 ) -> None:
@@ -144,6 +151,7 @@ def serve(
         "scheduler_writer_parallel": scheduler_writer_parallel,
         "scheduler_reader_batch_size": scheduler_reader_batch_size,
         "scheduler_writer_batch_size": scheduler_writer_batch_size,
+        "guided_decoding_backend": guided_decoding_backend, "tool_call_parser": tool_call_parser,
     }
     try:
         preset = load_preset(config) if config else {}

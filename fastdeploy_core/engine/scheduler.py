@@ -70,8 +70,10 @@ class ScheduledBatch:
         req, n = self.scheduled[index]
         return req.num_computed_tokens + n == req.num_tokens
 
-    def runner_input(self) -> SchedulerOutput:
-        """The step as the runner reads it: one plain row per scheduled request."""
+    def runner_input(self, token_bitmasks: list | None = None) -> SchedulerOutput:
+        """The step as the runner reads it: one plain row per scheduled request.
+
+        ``token_bitmasks[i]``: the allowed-token bitmask of row ``i`` (guided decoding), or None."""
         rows = []
         for i, (req, n) in enumerate(self.scheduled):
             done = req.prompt_logprobs
@@ -88,6 +90,7 @@ class ScheduledBatch:
                     generator=req.generator,
                     samples=self.samples(i),
                     prompt_logprobs_from=len(done) - 1 if done is not None else 0,
+                    token_bitmask=token_bitmasks[i] if token_bitmasks is not None else None,
                 )
             )
         return SchedulerOutput(rows)
@@ -222,7 +225,10 @@ class Scheduler:
 
         if not out.preempted and kind != "decode":
             while self.waiting and budget > 0 and prompt_budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
+                # A request whose grammar is still compiling waits; those behind it may start.
+                req = next((r for r in self.waiting if r.is_ready), None)
+                if req is None:
+                    break
                 cached = bm.find_cached_blocks(req)
                 num_computed = len(cached) * bm.block_size
                 wanted = req.num_tokens - num_computed
@@ -233,7 +239,7 @@ class Scheduler:
                     break
                 if not bm.allocate(req, num_computed + num_new, cached):
                     break
-                self.waiting.pop(0)
+                self.waiting.remove(req)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = num_computed
                 req.num_computed_tokens = num_computed

@@ -76,6 +76,9 @@ class ScheduledRequest:
     #: position ``p`` predicts prompt token ``p + 1``); after a preemption the prompt is computed
     #: again but its logprobs are not returned twice.
     prompt_logprobs_from: int = 0
+    #: Guided decoding: the tokens this row may sample, as an int32 bitmask (bit ``t % 32`` of
+    #: word ``t // 32`` set when token ``t`` is allowed); None for an unconstrained row.
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -147,7 +147,9 @@ def test_plugins_json_command_lists_every_plugin():
     rows = by_name(data["plugins"])
     assert rows["builtin"]["registered"]["devices"][0] == "cpu"
     assert rows["llama"]["version"] == "0.1.0"
-    assert set(rows["llama"]["registered"]) == {"devices", "models", "quantizers", "schedulers"}
+    assert set(rows["llama"]["registered"]) == {
+        "devices", "models", "quantizers", "schedulers", "guided_backends", "tool_parsers"
+    }
 
 
 def test_plugins_command_says_which_implementation_serves_a_model(tmp_path):

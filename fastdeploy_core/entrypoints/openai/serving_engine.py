@@ -213,6 +213,10 @@ class ServingState:
     accepted_model_names: set[str] = field(default_factory=set)
     trust_request_chat_template: bool = False
     policy: str = "fcfs"
+    #: The guided-decoding backend class (checks constraints before admission), None when off.
+    guided_backend: Any = None
+    #: The ``--tool-call-parser`` class, None when none was chosen.
+    tool_parser: Any = None
     _longest_token: int = field(default=64, init=False)
 
     def __post_init__(self) -> None:
