@@ -69,7 +69,7 @@ def _structural_tag_grammar(spec: dict[str, Any]) -> str:
     tags = []
     for s in structures:
         if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end", ""), str):
-            raise ValueError('each structure needs a "begin" string, a "schema" and an "end" string')
+            raise TypeError('each structure needs a "begin" string, a "schema" and an "end" string')
         trigger = next((t for t in triggers if isinstance(t, str) and s["begin"].startswith(t)), None)
         if trigger is None:
             raise ValueError(f"structure begin {s['begin']!r} starts with none of the triggers")

@@ -34,7 +34,7 @@ DEFAULT_CACHE_SIZE = 256
 class RequestGrammar:
     """One request's constraint: its compile job, then its matcher and how many tokens it took."""
 
-    __slots__ = ("future", "matcher", "num_accepted", "error")
+    __slots__ = ("error", "future", "matcher", "num_accepted")
 
     def __init__(self, future: concurrent.futures.Future):
         self.future = future

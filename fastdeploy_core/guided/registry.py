@@ -24,7 +24,7 @@ def guided_backend_class(name: str, plugin_manager=None) -> type[GuidedBackend] 
     pm = plugin_manager or get_plugin_manager()
     registry = pm.guided_backends
     if name == "auto":
-        names = [n for n in PREFERRED if n in registry] + sorted(n for n in registry.keys() if n not in PREFERRED)
+        names = [n for n in PREFERRED if n in registry] + sorted(n for n in registry.keys() if n not in PREFERRED)  # noqa: SIM118 - a Registry, not a dict
         if not names:
             return None
         name = names[0]
