@@ -63,8 +63,13 @@ def _needs_host(req: ScheduledRequest) -> bool:
         or sp.frequency_penalty != 0.0
         or bool(sp.bad_words_token_ids)
         or req.num_output_tokens < sp.min_tokens
-        or req.token_bitmask is not None
+        or _bitmask(req) is not None
     )
+
+
+def _bitmask(req) -> np.ndarray | None:
+    # Rows built by hand (tests, harnesses) may be any object with the row's sampling fields.
+    return getattr(req, "token_bitmask", None)
 
 
 def allowed_tokens(bitmask: np.ndarray, vocab: int) -> np.ndarray:
@@ -137,13 +142,14 @@ class Sampler:
                 prefix_matches = not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix)
                 if prefix_matches and seq[-1] < vocab:
                     x[seq[-1]] = -np.inf
-        if req.token_bitmask is not None:
-            x[~allowed_tokens(req.token_bitmask, vocab)] = -np.inf
+        bitmask = _bitmask(req)
+        if bitmask is not None:
+            x[~allowed_tokens(bitmask, vocab)] = -np.inf
         if req.num_output_tokens < sp.min_tokens:
             eos = [tok for tok in req.eos_token_ids if tok < vocab]
             saved = x[eos].copy()
             x[eos] = -np.inf
-            if req.token_bitmask is not None and not np.isfinite(x).any():
+            if bitmask is not None and not np.isfinite(x).any():
                 x[eos] = saved  # the grammar is complete: its end wins over min_tokens
         return x
 
