@@ -309,6 +309,18 @@ _PD_NOT_YET = ("prefill/decode disaggregation (moving a prompt's KV cache betwee
                "yet; serve mixed instances behind `fastdeploy router`")
 
 
+class StructuredOutputConfig(_Section):
+    """Structured output and tool calling (FastDeploy's flag names).
+
+    ``guided_decoding_backend`` names a registered backend (``auto`` prefers ``guidance``; ``off``
+    refuses constrained requests); ``tool_call_parser`` a registered tool-call parser, which the
+    API server uses to find the tool calls in the text of ``tool_choice: auto`` replies.
+    """
+
+    guided_decoding_backend: str = Field("auto", min_length=1)
+    tool_call_parser: str | None = None
+
+
 class ServerConfig(_Section):
     """The HTTP server."""
 
@@ -343,6 +355,7 @@ class EngineArgs(_Section):
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     graph_opt: GraphOptConfig = Field(default_factory=GraphOptConfig)
     splitwise: SplitwiseConfig = Field(default_factory=SplitwiseConfig)
+    structured: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineArgs:

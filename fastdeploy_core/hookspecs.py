@@ -113,5 +113,26 @@ def register_proposers(register):
 
 
 @hookspec
+def register_guided_backends(register):
+    """Register guided-decoding backends: ``register("guidance", "module:BackendClass")``.
+
+    The class subclasses :class:`fastdeploy_core.guided.backend.GuidedBackend` (compile a
+    constraint for the engine's tokenizer, hand out per-request matchers that fill numpy int32
+    bitmasks); its name is a value of ``--guided-decoding-backend``. A ``"module:Class"`` target
+    is imported only when that backend is chosen.
+    """
+
+
+@hookspec
+def register_tool_parsers(register):
+    """Register tool-call parsers: ``register("hermes", "module:ParserClass")``.
+
+    The class subclasses :class:`fastdeploy_core.entrypoints.openai.tool_parsers.ToolParser`
+    (find the tool calls in a model's text, whole or streamed); its name is a value of
+    ``--tool-call-parser``.
+    """
+
+
+@hookspec
 def register_commands(app):
     """Add sub-commands to the ``fastdeploy`` typer application ``app``."""

@@ -53,6 +53,8 @@ HOOK_NAMES = (
     "register_quantizers",
     "register_schedulers",
     "register_proposers",
+    "register_guided_backends",
+    "register_tool_parsers",
 )
 
 T = TypeVar("T")
@@ -147,6 +149,8 @@ class PluginManager:
         self.schedulers: Registry[type] = Registry("scheduler")
         #: speculative-decoding method name -> Proposer class or "module:Class"
         self.proposers: Registry[Any] = Registry("speculative decoding method")
+        self.guided_backends: Registry[Any] = Registry("guided decoding backend")
+        self.tool_parsers: Registry[Any] = Registry("tool call parser")
         self._info_by_name: dict[str, PluginInfo] = {}
 
     # ---- loading ---------------------------------------------------------------------------
@@ -217,6 +221,8 @@ class PluginManager:
                 "register_quantizers": self.quantizers,
                 "register_schedulers": self.schedulers,
                 "register_proposers": self.proposers,
+                "register_guided_backends": self.guided_backends,
+                "register_tool_parsers": self.tool_parsers,
             }[hook_name]
 
             def register(name: str, cls: type) -> None:

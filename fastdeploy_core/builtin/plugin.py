@@ -50,9 +50,34 @@ BUILTIN_PROPOSERS: dict[str, str] = {
 }
 
 
+#: The core's guided-decoding backends, imported when one is chosen (``--guided-decoding-backend``).
+BUILTIN_GUIDED_BACKENDS: dict[str, str] = {
+    "guidance": "fastdeploy_core.guided.llguidance_backend:LLGuidanceBackend",
+}
+
+
 @hookimpl
 def register_proposers(register):
     for name, target in BUILTIN_PROPOSERS.items():
+        register(name, target)
+
+
+@hookimpl
+def register_guided_backends(register):
+    for name, target in BUILTIN_GUIDED_BACKENDS.items():
+        register(name, target)
+
+
+#: The core's tool-call parsers (``--tool-call-parser``).
+BUILTIN_TOOL_PARSERS: dict[str, str] = {
+    "hermes": "fastdeploy_core.entrypoints.openai.tool_parsers:HermesToolParser",
+    "llama3_json": "fastdeploy_core.entrypoints.openai.tool_parsers:Llama3JsonToolParser",
+}
+
+
+@hookimpl
+def register_tool_parsers(register):
+    for name, target in BUILTIN_TOOL_PARSERS.items():
         register(name, target)
 
 

@@ -61,6 +61,11 @@ def build_configs(preset: dict[str, Any], flags: dict[str, Any]):
         from fastdeploy_core.spec_decode import proposer_class
 
         proposer_class(engine.speculative)  # likewise an unknown speculative method, or a key it does not read
+    from fastdeploy_core.entrypoints.openai.tool_parsers import tool_parser_class
+    from fastdeploy_core.guided.registry import guided_backend_class
+
+    guided_backend_class(engine.structured.guided_decoding_backend)
+    tool_parser_class(engine.structured.tool_call_parser)
     return engine, server
 
 
@@ -121,6 +126,8 @@ def serve(
     router_secret: str | None = typer.Option(None, "--router-secret", help="Secret shared with the router: signs this instance's registrations (or env FD_ROUTER_SECRET; else derived from the first --api-key). See docs/security.md."),
     pd_comm_port: int | None = typer.Option(None, "--pd-comm-port", help="prefill instances' KV-cache port; refused until prefill/decode disaggregation is implemented."),
     cache_transfer_protocol: str | None = typer.Option(None, "--cache-transfer-protocol", help="KV-cache transports of prefill/decode instances; only the default (tcp) is accepted until the transfer is implemented."),
+    guided_decoding_backend: str | None = typer.Option(None, "--guided-decoding-backend", help="Structured output (response_format json_object/json_schema, guided_json/regex/choice/grammar): auto (default: guidance) | guidance (llguidance) | xgrammar (when a plugin provides it) | off."),
+    tool_call_parser: str | None = typer.Option(None, "--tool-call-parser", help="How tool calls are found in replies to tool_choice auto: hermes (<tool_call>{...}</tool_call>, SmolLM2/Qwen) | llama3_json | one a plugin registers. Without it, tool_choice auto answers in text."),
     config: str | None = typer.Option(None, "--config", help="YAML preset of these flags (dash or underscore names); flags given here win."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
 ) -> None:
@@ -156,6 +163,7 @@ def serve(
         "scheduler_writer_batch_size": scheduler_writer_batch_size,
         "splitwise_role": splitwise_role, "router": router, "router_secret": router_secret,
         "pd_comm_port": pd_comm_port, "cache_transfer_protocol": cache_transfer_protocol,
+        "guided_decoding_backend": guided_decoding_backend, "tool_call_parser": tool_call_parser,
     }
     try:
         preset = load_preset(config) if config else {}

@@ -42,6 +42,7 @@ import time
 import numpy as np
 
 from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.engine import guided_steps
 from fastdeploy_core.engine.block_manager import BlockManager
 from fastdeploy_core.engine.outputs import EngineCoreOutput, EngineCoreRequest, choice_request_id
 from fastdeploy_core.engine.request import Request, RequestStatus
@@ -214,6 +215,21 @@ class EngineCore:
         self.num_generation_tokens_total = 0
         self.num_requests_finished = 0
         self.num_requests_aborted = 0
+        self.guided = self._guided_decoder(args)
+
+    def _guided_decoder(self, args: EngineArgs):
+        """The grammar compiler of ``--guided-decoding-backend`` (None when off); its worker
+        thread starts loading the tokenizer now, so the first constrained request waits less."""
+        from fastdeploy_core.guided.manager import GuidedDecoder
+        from fastdeploy_core.guided.registry import guided_backend_class
+
+        backend_cls = guided_backend_class(args.structured.guided_decoding_backend)
+        if backend_cls is None:
+            return None
+        from fastdeploy_core.tokenizer import load_tokenizer
+
+        source = self.model_source
+        return GuidedDecoder(backend_cls, lambda: load_tokenizer(source), self.vocab_size, self.eos_token_ids)
 
     def _model_eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
@@ -233,6 +249,12 @@ class EngineCore:
         if params is None:
             params = SamplingParams()
         validate_prompt(req.prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        if params.guided_decoding is not None and self.guided is None:
+            raise InvalidRequestError(
+                "structured output is off on this engine (--guided-decoding-backend off); start it with "
+                "--guided-decoding-backend auto to constrain outputs",
+                param="guided_decoding",
+            )
         if req.request_id in self._choices or req.request_id in self._parent:
             raise InvalidRequestError(
                 f"request id {req.request_id!r} is already running; use a unique id", param="request_id"
@@ -265,6 +287,8 @@ class EngineCore:
                 max_total_tokens=max_total,
                 generator=generator,
             )
+            if choice_params.guided_decoding is not None:
+                request.guided = self.guided.new_request(choice_params.guided_decoding)
             self.scheduler.add_request(request)
             self._parent[core_id] = req.request_id
             ids.append(core_id)
@@ -316,13 +340,17 @@ class EngineCore:
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, sample, and report what changed."""
+        failed = guided_steps.end_failed(self) if self.guided is not None else []
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
+            if self.guided is not None and not failed:
+                guided_steps.wait_for_grammars(self)
+            return failed
         if self.proposer is not None:
             self._add_drafts(batch)
         started = time.perf_counter()
-        result = self.runner.execute_model(batch.runner_input())
+        masks = guided_steps.bitmasks(self.guided, batch) if self.guided is not None else None
+        result = self.runner.execute_model(batch.runner_input(masks))
         if self.prompt_sizer is not None:
             prompt_tokens = sum(n for _, n in batch.scheduled if n > 1)
             self.prompt_sizer.observe(prompt_tokens, batch.num_scheduled_tokens, time.perf_counter() - started)
@@ -335,7 +363,9 @@ class EngineCore:
         sampled = result.sampled_token_ids
         before = [req.num_output_tokens for req, _ in batch.scheduled]
         self.scheduler.update(batch, sampled, result.spec_token_ids)
-        outputs: list[EngineCoreOutput] = []
+        if masks is not None:
+            guided_steps.advance(batch)
+        outputs: list[EngineCoreOutput] = failed
         for (req, _), token, lp, num_before in zip(batch.scheduled, sampled, result.logprobs, before):
             if token is None or req.status == RequestStatus.FINISHED_ABORTED:
                 continue

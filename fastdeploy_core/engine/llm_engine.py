@@ -63,6 +63,8 @@ class LLMEngine:
         else:
             text, token_ids = None, [int(t) for t in prompt]
         validate_prompt(token_ids, params, self.core.max_model_len, self.core.vocab_size)
+        if params.guided_decoding is not None and self.core.guided is not None:
+            self.core.guided.check(params.guided_decoding)  # a bad schema fails here, with its message
         self.processor.add_request(request_id, text, token_ids, params, arrival_time)
         try:
             self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival_time, priority))

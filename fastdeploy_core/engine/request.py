@@ -86,6 +86,9 @@ class Request:
     #: Draft tokens proposed for / accepted by this request so far (speculative decoding).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    #: The request's grammar state (:class:`fastdeploy_core.guided.manager.RequestGrammar`) when
+    #: its output is constrained; it is scheduled only once the grammar is compiled.
+    guided: Any = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -113,6 +116,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether the request can be scheduled (its grammar, if any, is compiled)."""
+        return self.guided is None or self.guided.ready
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastdeploy_core.errors import InvalidRequestError
+from fastdeploy_core.guided.params import GuidedDecodingParams
 
 #: Most logprobs a request may ask for (per token), as in FastDeploy.
 MAX_LOGPROBS = 20
@@ -52,6 +53,9 @@ class SamplingParams:
     before ``min_tokens`` tokens. ``logprobs=N`` returns the sampled token's logprob and the
     top ``N``; ``prompt_logprobs=N`` does the same for every prompt token. ``bad_words`` are
     never generated; the tokenizer side turns them into ``bad_words_token_ids``.
+    ``guided_decoding`` (a :class:`~fastdeploy_core.guided.params.GuidedDecodingParams` or its
+    dict) constrains the output to a JSON schema, regex, choice or grammar; eos is then allowed
+    only where the constraint is complete.
     """
 
     n: int = 1
@@ -74,6 +78,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    guided_decoding: GuidedDecodingParams | None = None
     #: Fields set explicitly by generation_config (kept for introspection only).
     _from_generation_config: list[str] = field(default_factory=list, repr=False)
 
@@ -82,6 +87,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.stop is not None:
             self.stop = list(self.stop)
+        if isinstance(self.guided_decoding, dict):
+            self.guided_decoding = GuidedDecodingParams.from_dict(self.guided_decoding)
         self.validate()
 
     # ---- validation ----------------------------------------------------------------------
@@ -143,6 +150,10 @@ class SamplingParams:
             isinstance(seq, list) and seq and all(is_int(t) and t >= 0 for t in seq) for seq in self.bad_words_token_ids
         ):
             raise bad("bad_words_token_ids", "must be a list of non-empty lists of token ids")
+        if self.guided_decoding is not None:
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                raise bad("guided_decoding", "must be a GuidedDecodingParams or its dict")
+            self.guided_decoding.validate()
 
     # ---- resolved values -----------------------------------------------------------------
     def resolved(self, name: str) -> Any:
@@ -180,7 +191,10 @@ class SamplingParams:
     # ---- wire format ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Builtins only (msgpack/json friendly)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        if self.guided_decoding is not None:
+            data["guided_decoding"] = self.guided_decoding.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:

@@ -57,12 +57,14 @@ POLICIES = ("fcfs", "priority")
 
 def speculates(req: Request) -> bool:
     """Whether ``req``'s tokens may come from verified drafts: greedy, and nothing in its
-    sampling depends on the position (penalties, logprobs, bad words, the ``min_tokens`` mask),
-    so the target's token at every draft position is a plain argmax. Other requests decode one
-    token per step beside speculating ones; their distribution is never touched."""
+    sampling depends on the position (penalties, logprobs, bad words, the ``min_tokens`` mask, a
+    guided-decoding grammar whose mask changes with every token), so the target's token at every
+    draft position is a plain argmax. Other requests decode one token per step beside
+    speculating ones; their distribution is never touched."""
     sp = req.sampling_params
     return (
-        sp.is_greedy
+        req.guided is None
+        and sp.is_greedy
         and sp.logprobs is None
         and sp.resolved("repetition_penalty") == 1.0
         and sp.presence_penalty == 0.0
@@ -93,8 +95,10 @@ class ScheduledBatch:
         req, n = self.scheduled[index]
         return req.num_computed_tokens + n - len(req.draft_token_ids) == req.num_tokens
 
-    def runner_input(self) -> SchedulerOutput:
-        """The step as the runner reads it: one plain row per scheduled request."""
+    def runner_input(self, token_bitmasks: list | None = None) -> SchedulerOutput:
+        """The step as the runner reads it: one plain row per scheduled request.
+
+        ``token_bitmasks[i]``: the allowed-token bitmask of row ``i`` (guided decoding), or None."""
         rows = []
         for i, (req, n) in enumerate(self.scheduled):
             done = req.prompt_logprobs
@@ -112,6 +116,7 @@ class ScheduledBatch:
                     samples=self.samples(i),
                     prompt_logprobs_from=len(done) - 1 if done is not None else 0,
                     draft_token_ids=req.draft_token_ids,
+                    token_bitmask=token_bitmasks[i] if token_bitmasks is not None else None,
                 )
             )
         return SchedulerOutput(rows)
@@ -250,7 +255,10 @@ class Scheduler:
 
         if not out.preempted and kind != "decode":
             while self.waiting and budget > 0 and prompt_budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
+                # A request whose grammar is still compiling waits; those behind it may start.
+                req = next((r for r in self.waiting if r.is_ready), None)
+                if req is None:
+                    break
                 cached = bm.find_cached_blocks(req)
                 num_computed = len(cached) * bm.block_size
                 wanted = req.num_tokens - num_computed
@@ -261,7 +269,7 @@ class Scheduler:
                     break
                 if not bm.allocate(req, num_computed + num_new, cached):
                     break
-                self.waiting.pop(0)
+                self.waiting.remove(req)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = num_computed
                 req.num_computed_tokens = num_computed

@@ -10,6 +10,11 @@ with a uniform drawn from the request's own ``numpy.random.Generator`` — so a 
 draws exactly one number per generated token and gets the same tokens whatever else is in
 the batch.
 
+Guided decoding gives a row a token bitmask (``ScheduledRequest.token_bitmask``): its disallowed
+tokens get ``-inf`` after the penalties, on the host path, so a masked row never takes the greedy
+fast path (the device's argmax or greedy head would pick the unmasked best token); rows without a
+mask in the same batch are sampled as they would be alone.
+
 Logprobs are the log-softmax of the raw logits (before penalties and temperature): a dict per
 token with the sampled token first, then the top ``logprobs`` tokens by rank.
 """
@@ -58,7 +63,23 @@ def _needs_host(req: ScheduledRequest) -> bool:
         or sp.frequency_penalty != 0.0
         or bool(sp.bad_words_token_ids)
         or req.num_output_tokens < sp.min_tokens
+        or _bitmask(req) is not None
     )
+
+
+def _bitmask(req) -> np.ndarray | None:
+    # Rows built by hand (tests, harnesses) may be any object with the row's sampling fields.
+    return getattr(req, "token_bitmask", None)
+
+
+def allowed_tokens(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """The bool mask of the first ``vocab`` tokens from an int32 bitmask (bit ``t % 32`` of word
+    ``t // 32``, words little-endian)."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask, dtype="<i4").view(np.uint8), bitorder="little")
+    allowed = np.zeros(vocab, dtype=bool)
+    n = min(vocab, bits.shape[0])
+    allowed[:n] = bits[:n].astype(bool)
+    return allowed
 
 
 class Sampler:
@@ -66,8 +87,8 @@ class Sampler:
 
     @staticmethod
     def all_plain_greedy(reqs: list[ScheduledRequest]) -> bool:
-        """Whether every row is a plain argmax (greedy, no logprobs, penalties, bad words or
-        min_tokens mask): then only each row's argmax of the logits matters, and a model may
+        """Whether every row is a plain argmax (greedy, no logprobs, penalties, bad words,
+        min_tokens mask or guided-decoding mask): then only each row's argmax of the logits matters, and a model may
         give the tokens without them (``compute_greedy_tokens``)."""
         return not any(_needs_host(r) for r in reqs)
 
@@ -121,10 +142,15 @@ class Sampler:
                 prefix_matches = not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix)
                 if prefix_matches and seq[-1] < vocab:
                     x[seq[-1]] = -np.inf
+        bitmask = _bitmask(req)
+        if bitmask is not None:
+            x[~allowed_tokens(bitmask, vocab)] = -np.inf
         if req.num_output_tokens < sp.min_tokens:
-            for tok in req.eos_token_ids:
-                if tok < vocab:
-                    x[tok] = -np.inf
+            eos = [tok for tok in req.eos_token_ids if tok < vocab]
+            saved = x[eos].copy()
+            x[eos] = -np.inf
+            if bitmask is not None and not np.isfinite(x).any():
+                x[eos] = saved  # the grammar is complete: its end wins over min_tokens
         return x
 
     def sample_row(self, row: np.ndarray, req: ScheduledRequest) -> int:

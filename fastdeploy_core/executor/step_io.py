@@ -80,6 +80,9 @@ class ScheduledRequest:
     #: the runner returns the target's tokens for the accepted prefix plus one
     #: (:attr:`RunnerOutput.spec_token_ids`). Empty for rows that do not speculate.
     draft_token_ids: list[int] = field(default_factory=list)
+    #: Guided decoding: the tokens this row may sample, as an int32 bitmask (bit ``t % 32`` of
+    #: word ``t // 32`` set when token ``t`` is allowed); None for an unconstrained row.
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -91,6 +91,8 @@ FIELDS: dict[tuple[str, str], tuple] = {
     ("graph_opt", "use_cudagraph"): read(CONFIG, "return self.use_cudagraph and not self.enforce_eager"),
     ("graph_opt", "enforce_eager"): read(CONFIG, "return self.use_cudagraph and not self.enforce_eager"),
     ("graph_opt", "cudagraph_capture_sizes"): read(RUNNER, "graph_opt.cudagraph_capture_sizes"),
+    ("structured", "guided_decoding_backend"): read(CORE, "guided_backend_class(args.structured.guided_decoding_backend)"),
+    ("structured", "tool_call_parser"): read(SERVER, "engine_args.structured.tool_call_parser"),
     ("graph_opt", "graph_opt_level"): refused(1, "graph_opt_level 1: FastDeploy's static-graph (1) and CINN (2) "
                                                  "levels are not implemented here", "graph_optimization_config"),
     ("splitwise", "router"): read(SERVE, "RouterHeartbeat(split.router, info, secret, health)"),

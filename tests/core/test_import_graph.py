@@ -21,6 +21,7 @@ LAYERS = [
     {"loader"},
     {"quantization"},
     {"tokenizer"},
+    {"guided"},
     {"executor"},
     {"spec_decode"},
     {"scheduler"},

@@ -147,8 +147,11 @@ def test_plugins_json_command_lists_every_plugin():
     rows = by_name(data["plugins"])
     assert rows["builtin"]["registered"]["devices"][0] == "cpu"
     assert rows["llama"]["version"] == "0.1.0"
-    assert set(rows["llama"]["registered"]) == {"devices", "models", "quantizers", "schedulers", "proposers"}
+    assert set(rows["llama"]["registered"]) == {
+        "devices", "models", "quantizers", "schedulers", "proposers", "guided_backends", "tool_parsers"
+    }
     assert rows["builtin"]["registered"]["proposers"] == ["ngram"]
+    assert rows["builtin"]["registered"]["guided_backends"] == ["guidance"]
 
 
 def test_plugins_command_says_which_implementation_serves_a_model(tmp_path):

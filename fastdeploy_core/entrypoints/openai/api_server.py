@@ -59,6 +59,12 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
     # Resolved before serving so a wrong --model fails at once with its own message.
     source = resolve_model_source(engine_args.model.model)
     tokenizer = load_tokenizer(source)
+    from fastdeploy_core.entrypoints.openai.tool_parsers import tool_parser_class
+    from fastdeploy_core.guided.registry import guided_backend_class
+
+    # Unknown names fail before the engine starts, listing the registered ones.
+    guided_backend = guided_backend_class(engine_args.structured.guided_decoding_backend)
+    tool_parser = tool_parser_class(engine_args.structured.tool_call_parser)
     holder: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
@@ -90,6 +96,8 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
             accepted_model_names={engine_args.model.model} if engine_args.model.model else set(),
             trust_request_chat_template=server.trust_request_chat_template,
             policy=engine_args.scheduler.policy,
+            guided_backend=guided_backend,
+            tool_parser=tool_parser,
         )
         holder["state"] = state
         metrics_server = None

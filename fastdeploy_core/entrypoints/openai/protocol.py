@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fastdeploy_core.errors import InvalidRequestError
+from fastdeploy_core.guided.params import GuidedDecodingParams
 
 logger = logging.getLogger("fastdeploy.serve")
 
@@ -74,9 +75,27 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """``response_format.json_schema``: the schema is enforced whether or not ``strict`` is set."""
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise InvalidRequestError(
+                'response_format: type "json_schema" needs json_schema.schema (the JSON schema of the reply)',
+                param="response_format",
+            )
+        return self
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -109,6 +128,12 @@ class _SamplingFields(OpenAIBaseModel):
     request_id: str | None = Field(None, min_length=1, max_length=256)
     # vLLM / FastDeploy extra: lower runs first when the server was started with --policy priority
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    # vLLM / FastDeploy structured-output extras (one constraint per request, response_format included)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingFields:
@@ -126,13 +151,7 @@ class _SamplingFields(OpenAIBaseModel):
                     f"stop: a stop string has {len(s)} characters; at most {MAX_STOP_STRING_CHARS} are allowed",
                     param="stop",
                 )
-        if self.response_format is not None and self.response_format.type != "text":
-            # Accepting it without constraining the output would hand clients text they parse as JSON.
-            raise InvalidRequestError(
-                f'response_format type "{self.response_format.type}" is not supported: structured output is not '
-                'implemented yet; use "text" (or omit response_format) and validate the JSON yourself',
-                param="response_format",
-            )
+        self.guided_params()  # one constraint at most, of the right shape
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
         if self.logit_bias:
@@ -146,6 +165,30 @@ class _SamplingFields(OpenAIBaseModel):
                         f"logit_bias: bias {value} for token {key} is outside [-100, 100]", param="logit_bias"
                     )
         return self
+
+    def guided_params(self) -> GuidedDecodingParams | None:
+        """The output constraint the request asks for (``response_format`` or a ``guided_*``
+        extra), or None; two at once is a 400."""
+        given: dict[str, Any] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given["json_object"] = True
+        elif fmt is not None and fmt.type == "json_schema":
+            given["json"] = fmt.json_schema.schema_  # type: ignore[union-attr]
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar"), ("structural_tag", "structural_tag")):
+            value = getattr(self, name)
+            if value is not None:
+                if key in given:
+                    raise InvalidRequestError(f"{name}: response_format already constrains the reply", param=name)
+                given[key] = value
+        if not given:
+            return None
+        if len(given) > 1:
+            raise InvalidRequestError(
+                f"give one output constraint per request; got {', '.join(sorted(given))}", param="response_format"
+            )
+        return GuidedDecodingParams(**given)
 
     def stop_list(self) -> list[str]:
         """``stop`` as a list (OpenAI allows one string or a list)."""
@@ -170,6 +213,21 @@ class ChatMessageParam(OpenAIBaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    #: An assistant turn's calls, as OpenAI returned them (handed to the chat template as given).
+    tool_calls: list[dict[str, Any]] | None = None
+    #: A ``tool`` turn: the call this result answers.
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         """The text of the message; non-text parts are refused."""
@@ -198,6 +256,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -205,13 +264,50 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise InvalidRequestError("tools are not supported yet", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequestError("tool_choice is not supported yet", param="tool_choice")
+        for tool in self.tools or []:
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise InvalidRequestError(
+                    'tools: each tool is {"type": "function", "function": {"name": ..., "parameters": {...}}}',
+                    param="tools",
+                )
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise InvalidRequestError("tools: function.parameters must be a JSON schema object", param="tools")
+        choice = self.tool_choice
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise InvalidRequestError(
+                f'tool_choice: got {choice!r}; use "none", "auto", "required" or '
+                '{"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
+        if choice not in (None, "none", "auto"):
+            if not self.tools:
+                raise InvalidRequestError("tool_choice: a tool must be chosen from tools, and none were given",
+                                          param="tool_choice")
+            if self.guided_params() is not None:
+                raise InvalidRequestError("tool_choice: a forced tool call already constrains the reply; drop "
+                                          "response_format / guided_*", param="tool_choice")
+            name = self.named_tool()
+            if isinstance(choice, dict) and name not in {t["function"]["name"] for t in self.tools}:
+                raise InvalidRequestError(f"tool_choice: function {name!r} is not among tools", param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         return self
+
+    def named_tool(self) -> str | None:
+        """The function a ``{"type": "function", "function": {"name": ...}}`` tool_choice names."""
+        choice = self.tool_choice
+        if not isinstance(choice, dict):
+            return None
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequestError(
+                'tool_choice: a named choice is {"type": "function", "function": {"name": ...}}', param="tool_choice"
+            )
+        return fn["name"]
+
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -283,9 +379,28 @@ class ChatLogprobs(_ResponseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCall(_ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(_ResponseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class ChatMessage(_ResponseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
 
@@ -313,6 +428,7 @@ class ChatCompletionResponse(_ResponseModel):
 class DeltaMessage(_ResponseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,9 @@ from fastdeploy_core.entrypoints.openai.protocol import (
     ChatLogprobs,
     ChatMessage,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
 )
 from fastdeploy_core.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -27,7 +31,14 @@ from fastdeploy_core.entrypoints.openai.serving_engine import (
     sse_error,
     usage_for,
 )
+from fastdeploy_core.entrypoints.openai.tool_parsers import (
+    ParsedToolCall,
+    calls_from_constrained,
+    named_schema,
+    required_schema,
+)
 from fastdeploy_core.errors import InvalidRequestError
+from fastdeploy_core.guided.params import GuidedDecodingParams
 
 
 def render_chat_prompt(state: ServingState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -36,11 +47,13 @@ def render_chat_prompt(state: ServingState, req: ChatCompletionRequest) -> tuple
     Slow for long conversations: call it through :meth:`ServingState.off_loop`.
     """
     state.check_chat_template(req.chat_template)
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+    messages = [m.template_dict() for m in req.messages]
     if req.disable_chat_template:
         text = "".join(m["content"] for m in messages)
         return text, state.encode_prompt(text, add_special_tokens=True, param="messages")
     kwargs = dict(req.chat_template_kwargs or {})
+    if req.uses_tools():
+        kwargs.setdefault("tools", req.tools)  # templates that know tools describe them to the model
     template = req.chat_template or state.chat_template
     try:
         text = state.tokenizer.apply_chat_template(
@@ -55,9 +68,33 @@ def render_chat_prompt(state: ServingState, req: ChatCompletionRequest) -> tuple
     return text, state.encode_prompt(text, add_special_tokens=False, param="messages")
 
 
+def tool_mode(state: ServingState, req: ChatCompletionRequest) -> str | None:
+    """How the reply's tool calls are found: "named" / "required" (constrained JSON), "auto"
+    (the --tool-call-parser reads the model's own format), or None (plain text)."""
+    if not req.uses_tools():
+        return None
+    if req.named_tool() is not None:
+        return "named"
+    if req.tool_choice == "required":
+        return "required"
+    return "auto" if state.tool_parser is not None else None
+
+
+def _tool_constraint(req: ChatCompletionRequest, mode: str | None) -> GuidedDecodingParams | None:
+    if mode == "named":
+        name = req.named_tool()
+        tool = next(t for t in req.tools or [] if t["function"]["name"] == name)
+        return GuidedDecodingParams(json=named_schema(tool))
+    if mode == "required":
+        return GuidedDecodingParams(json=required_schema(req.tools or [], req.parallel_tool_calls))
+    return None
+
+
 def _prepare(state: ServingState, req: ChatCompletionRequest):
     prompt, prompt_ids = render_chat_prompt(state, req)
-    params = state.sampling_params(req, max_tokens=req.requested_max_tokens(), logprobs=req.num_logprobs())
+    guided = _tool_constraint(req, tool_mode(state, req))
+    params = state.sampling_params(req, max_tokens=req.requested_max_tokens(), logprobs=req.num_logprobs(),
+                                   guided=guided)
     state.check_length(prompt_ids, params)
     return prompt, prompt_ids, params
 
@@ -89,20 +126,24 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     state.record(final, arrival, lease.admitted, success=True)
     choices = []
     completion_tokens = 0
+    mode = tool_mode(state, req)
     for c in sorted(final.outputs, key=lambda c: c.index):
         completion_tokens += len(c.token_ids)
+        content, calls, finish = _reply(state, req, mode, c.text, _finish_reason(c.finish_reason))
         choices.append(
             ChatCompletionChoice(
                 index=c.index,
                 message=ChatMessage(
-                    content=c.text,
+                    content=content,
+                    tool_calls=[ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
+                                for t in calls] or None,
                     prompt_token_ids=list(final.prompt_token_ids) if req.return_token_ids else None,
                     completion_token_ids=list(c.token_ids) if req.return_token_ids else None,
                 ),
                 logprobs=ChatLogprobs(content=state.chat_logprobs(c.token_ids, c.logprobs, top_n))
                 if req.logprobs
                 else None,
-                finish_reason=_finish_reason(c.finish_reason),
+                finish_reason=finish,
             )
         )
     return ChatCompletionResponse(
@@ -111,6 +152,68 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
         choices=choices,
         usage=usage_for(len(prompt_ids), completion_tokens, final.num_cached_tokens),
     )
+
+
+def _reply(state: ServingState, req: ChatCompletionRequest, mode: str | None, text: str,
+           finish: str | None) -> tuple[str | None, list[ParsedToolCall], str | None]:
+    """(content, tool calls, finish_reason) of a finished choice."""
+    if mode in ("named", "required"):
+        calls = calls_from_constrained(text, req.named_tool()) if finish == "stop" else None
+        if calls:
+            return None, calls, "tool_calls"
+        return text, [], finish  # cut by max_tokens: the partial JSON as text, finish_reason "length"
+    if mode == "auto":
+        parsed = state.tool_parser(state.tokenizer).parse(text)
+        if parsed.tool_calls:
+            return parsed.content, parsed.tool_calls, "tool_calls"
+    return text, [], finish
+
+
+class _ChoiceStream:
+    """Turns one choice's text deltas into OpenAI stream deltas (content or tool calls)."""
+
+    def __init__(self, state: ServingState, req: ChatCompletionRequest, mode: str | None):
+        self.state, self.req, self.mode = state, req, mode
+        self.text = ""
+        self.sent = 0  # characters of text already sent (as content or as arguments)
+        self.call_id = f"call_{uuid.uuid4().hex[:24]}"
+        self.parser = state.tool_parser(state.tokenizer) if mode == "auto" else None
+
+    def delta(self, new_text: str, finish: str | None) -> tuple[DeltaMessage | None, str | None]:
+        self.text += new_text
+        if self.mode == "named":
+            return self._named(finish)
+        if self.mode is None or (finish is None and self.mode == "required"):
+            if self.mode is None:
+                return (DeltaMessage(content=new_text) if new_text or finish else None), finish
+            return None, None
+        if finish is None:  # auto: send what is surely content
+            end = self.parser.content_end(self.text)
+            if end <= self.sent:
+                return None, None
+            piece, self.sent = self.text[self.sent : end], end
+            return DeltaMessage(content=piece), None
+        _, calls, reason = _reply(self.state, self.req, self.mode, self.text, finish)
+        if not calls:
+            rest, self.sent = self.text[self.sent :], len(self.text)
+            return DeltaMessage(content=rest), reason
+        return DeltaMessage(tool_calls=[
+            DeltaToolCall(index=i, id=t.id, type="function", function=FunctionCall(name=t.name, arguments=t.arguments))
+            for i, t in enumerate(calls)
+        ]), reason
+
+    def _named(self, finish: str | None) -> tuple[DeltaMessage | None, str | None]:
+        calls: list[DeltaToolCall] = []
+        if self.sent == 0 and self.text:
+            calls.append(DeltaToolCall(index=0, id=self.call_id, type="function",
+                                       function=FunctionCall(name=self.req.named_tool(), arguments="")))
+        if len(self.text) > self.sent:
+            calls.append(DeltaToolCall(index=0, function=FunctionCall(arguments=self.text[self.sent :])))
+            self.sent = len(self.text)
+        reason = finish
+        if finish == "stop" and calls_from_constrained(self.text, self.req.named_tool()):
+            reason = "tool_calls"
+        return (DeltaMessage(tool_calls=calls) if calls else (DeltaMessage() if finish else None)), reason
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -149,6 +252,8 @@ async def _stream(
 
     sent_ids = False
     done: set[int] = set()
+    mode = tool_mode(state, req)
+    streams: dict[int, _ChoiceStream] = {}
     async for _, out in state.stream_outputs(raw, jobs, arrival, priority=req.priority):
         final = out
         choices = []
@@ -157,7 +262,12 @@ async def _stream(
                 continue
             if c.finish_reason:
                 done.add(c.index)
-            delta = DeltaMessage(content=c.delta_text)
+            stream = streams.setdefault(c.index, _ChoiceStream(state, req, mode))
+            delta, finish = stream.delta(c.delta_text, _finish_reason(c.finish_reason))
+            if delta is None:
+                if not (req.return_token_ids or req.logprobs):
+                    continue
+                delta = DeltaMessage()
             if req.return_token_ids:
                 delta.completion_token_ids = list(c.delta_token_ids)
                 if not sent_ids:
@@ -169,7 +279,7 @@ async def _stream(
                     logprobs=ChatLogprobs(content=state.chat_logprobs(c.delta_token_ids, c.delta_logprobs, top_n))
                     if req.logprobs
                     else None,
-                    finish_reason=_finish_reason(c.finish_reason),
+                    finish_reason=finish,
                 )
             )
         if choices:

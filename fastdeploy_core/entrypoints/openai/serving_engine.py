@@ -51,6 +51,7 @@ from fastdeploy_core.entrypoints.openai.protocol import (
     _SamplingFields,
 )
 from fastdeploy_core.errors import ContextLengthExceededError, FastDeployError, InvalidRequestError
+from fastdeploy_core.guided.params import GuidedDecodingParams
 
 logger = logging.getLogger("fastdeploy.serve")
 
@@ -213,6 +214,10 @@ class ServingState:
     accepted_model_names: set[str] = field(default_factory=set)
     trust_request_chat_template: bool = False
     policy: str = "fcfs"
+    #: The guided-decoding backend class (checks constraints before admission), None when off.
+    guided_backend: Any = None
+    #: The ``--tool-call-parser`` class, None when none was chosen.
+    tool_parser: Any = None
     _longest_token: int = field(default=64, init=False)
 
     def __post_init__(self) -> None:
@@ -285,9 +290,27 @@ class ServingState:
 
     # --- sampling parameters ----------------------------------------------------------------
 
+    def check_guided(self, guided: GuidedDecodingParams | None) -> None:
+        """400 when the constraint cannot compile (the backend's message) or structured output is off."""
+        if guided is None:
+            return
+        if self.guided_backend is None:
+            raise InvalidRequestError(
+                "structured output is off on this server (started with --guided-decoding-backend off); "
+                "send the request without response_format / guided_* / a forced tool_choice",
+                param="response_format",
+            )
+        self.guided_backend.check(guided)
+
     def sampling_params(self, req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams from a request (FastDeploy names); bad values raise a 400 naming the field."""
+                        prompt_logprobs: int | None = None,
+                        guided: GuidedDecodingParams | None = None) -> SamplingParams:
+        """SamplingParams from a request (FastDeploy names); bad values raise a 400 naming the field.
+
+        ``guided`` (checked here: slow for big schemas, so call this off the event loop) constrains
+        the output; without it the request's own ``response_format`` / ``guided_*`` apply."""
+        guided = guided if guided is not None else req.guided_params()
+        self.check_guided(guided)
         banned: list[list[int]] = []
         if req.stop_token_ids:
             self.check_token_ids(list(req.stop_token_ids), "stop_token_ids")
@@ -320,6 +343,7 @@ class ServingState:
             bad_words=list(req.bad_words) if req.bad_words else None,
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
+            guided_decoding=guided,
         )
         if banned:
             # bad_words become token sequences the way the output processor does it; then add the bans.
