@@ -23,7 +23,9 @@ import typer
 from fastdeploy_core.cli.generate import _PASS_THROUGH, ENGINE_FLAGS_HELP, engine_args_from_extra
 from fastdeploy_core.errors import FastDeployError
 
-bench_app = typer.Typer(help="Offline engine benchmarks (latency, throughput).", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Offline engine benchmarks (latency, throughput).", no_args_is_help=True, rich_markup_mode=None
+)
 
 #: Token ids below this are left out of random prompts (control tokens of most vocabularies).
 _FIRST_PLAIN_TOKEN = 100

@@ -21,6 +21,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click help: rich's boxed panels cut long flag names (``--engine-worker-qu…``) at
+    # 80 columns; click puts a long name on its own line and wraps the help under it.
+    rich_markup_mode=None,
 )
 
 
