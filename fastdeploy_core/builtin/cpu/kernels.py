@@ -83,10 +83,25 @@ def library_name() -> str:
     return f"fd_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
+@contextlib.contextmanager
+def _quiet_paddle_extension_log():
+    """Paddle logs "using custom operator only" at INFO on every load of a custom-op library
+    (``verbose=False`` does not reach that line), through a handler of its own and again through
+    the root logger: it says nothing to a user, so its logger stays at WARNING while we load."""
+    ext_logger = logging.getLogger("utils.cpp_extension")
+    level = ext_logger.level
+    ext_logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        ext_logger.setLevel(level)
+
+
 def _import_built(name: str, build_dir: Path):
     from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
 
-    return _import_module_from_library(name, str(build_dir / name), False)
+    with _quiet_paddle_extension_log():
+        return _import_module_from_library(name, str(build_dir / name), False)
 
 
 def _build(name: str, build_dir: Path):
@@ -95,7 +110,7 @@ def _build(name: str, build_dir: Path):
     # The build prints progress and warnings to stdout/stderr; keep them out of the server log
     # and report a failure through the exception instead.
     sink = io.StringIO()
-    with contextlib.redirect_stdout(sink):
+    with contextlib.redirect_stdout(sink), _quiet_paddle_extension_log():
         return load(
             name=name,
             sources=[str(s) for s in SOURCES],

@@ -5,6 +5,14 @@ one core), and MKL reads ``MKL_DEBUG_CPU_TYPE`` when Paddle loads it, so both mu
 environment before anything imports Paddle; :mod:`fastdeploy_core` calls
 :func:`configure_process_env` on import for that reason. A value the user set is never changed.
 
+Paddle also prints "WARNING: OMP_NUM_THREADS set to N, not 1 ... PLEASE USE OMP_NUM_THREADS
+WISELY" on import whenever the variable is above 1 (``paddle.base.__bootstrap__`` reads it with
+``os.getenv`` and writes it back). That warning is about data-parallel training and OpenBLAS
+builds, neither of which applies here, and it would follow every command because this module
+sets the variable. :func:`quiet_paddle_thread_warning` lets Paddle's bootstrap see 1 while it
+imports and then puts the thread count back, in the environment (the kernels' thread pool and
+the OpenMP runtime read it when they start, after the import) and in Paddle's MKL/OpenMP setting.
+
 It also maps the kernels' former variable names (``FD_DISABLE_QUANT_KERNELS``,
 ``FD_QUANT_KERNEL_THREADS``, ``FD_QUANT_KERNEL_SPIN``) to the current ones with a deprecation
 warning; the C++ thread pool reads only the current names.
@@ -12,7 +20,10 @@ warning; the C++ thread pool reads only the current names.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import sys
 import warnings
 from collections.abc import MutableMapping
 
@@ -48,7 +59,9 @@ def is_amd_cpu() -> bool:
 
 def configure_process_env(environ: MutableMapping[str, str] | None = None) -> None:
     """Fill in the cpu device's process settings that the user left unset."""
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        environ = os.environ
+        quiet_paddle_thread_warning()
     environ.setdefault("OMP_NUM_THREADS", str(usable_cores()))
     if is_amd_cpu():
         # Paddle's MKL (mklml) takes a generic sgemm on AMD CPUs; type 5 selects its AVX2
@@ -58,6 +71,60 @@ def configure_process_env(environ: MutableMapping[str, str] | None = None) -> No
         if old in environ:
             warnings.warn(f"{old} is deprecated; set {new} instead", FutureWarning, stacklevel=2)
             environ.setdefault(new, translate(environ[old]))
+
+
+class _PaddleImportFinder(importlib.abc.MetaPathFinder):
+    """Finds ``paddle`` the ordinary way, once, and hands it a loader that imports it quietly."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "paddle" or self.done:
+            return None
+        self.done = True  # stays in sys.meta_path (removing it would skip the next finder) but idle
+        spec = importlib.util.find_spec("paddle")
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _QuietBootstrapLoader(spec.loader)
+        return spec
+
+
+class _QuietBootstrapLoader(importlib.abc.Loader):
+    """Runs Paddle's own loader with ``OMP_NUM_THREADS=1``, then restores the thread count."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        # Paddle sees its own loader, as after any import.
+        module.__loader__ = self.loader
+        module.__spec__.loader = self.loader
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if not threads.isdigit() or int(threads) <= 1:
+            self.loader.exec_module(module)
+            return
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            self.loader.exec_module(module)
+        finally:
+            os.environ["OMP_NUM_THREADS"] = threads
+        # The OpenMP runtime reads the variable lazily, but set MKL's and OpenMP's count as well
+        # in case anything in the import already started it.
+        core = getattr(getattr(module, "base", None), "core", None)
+        if hasattr(core, "set_num_threads"):
+            core.set_num_threads(int(threads))
+
+
+def quiet_paddle_thread_warning() -> None:
+    """Make the first ``import paddle`` in this process skip its ``OMP_NUM_THREADS`` warning
+    without losing the thread count (see the module docstring). No-op once Paddle is imported."""
+    if "paddle" in sys.modules or any(isinstance(f, _PaddleImportFinder) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _PaddleImportFinder())
 
 
 def kernels_disabled(environ: MutableMapping[str, str] | None = None) -> bool:

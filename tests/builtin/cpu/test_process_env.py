@@ -1,5 +1,9 @@
 """The cpu device's process settings: filled in once, never overriding the user's, former names mapped."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from fastdeploy_core.builtin.cpu import process_env
@@ -53,3 +57,35 @@ def test_the_current_name_wins_over_a_former_one():
 )
 def test_kernels_disabled(env, disabled):
     assert kernels_disabled(env) is disabled
+
+
+def _python(code: str, threads: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS=threads)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
+_OMP_THREADS = (
+    "import ctypes, glob, os, paddle; "
+    "lib = glob.glob(os.path.join(os.path.dirname(paddle.__file__), 'libs', 'libiomp5.so')); "
+    "print(os.environ['OMP_NUM_THREADS'], ctypes.CDLL(lib[0]).omp_get_max_threads() if lib else 'n/a')"
+)
+
+
+def test_paddle_imports_without_its_thread_warning_and_keeps_the_thread_count():
+    plain = _python(_OMP_THREADS, "3")  # Paddle alone warns: the check below can fail
+    assert "PLEASE USE OMP_NUM_THREADS WISELY" in plain.stderr
+    quiet = _python("import fastdeploy_core; " + _OMP_THREADS, "3")
+    assert quiet.returncode == 0, quiet.stderr
+    assert "OMP_NUM_THREADS" not in quiet.stderr, quiet.stderr
+    assert quiet.stdout.split() in (["3", "3"], ["3", "n/a"]), quiet.stdout
+
+
+def test_loading_the_kernels_logs_nothing_from_paddle():
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO); "
+        "from fastdeploy_core.builtin.cpu.kernels import load_kernels, kernel_failure; "
+        "assert load_kernels() is not None, kernel_failure()"
+    )
+    proc = _python(code, "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "custom operator" not in proc.stderr, proc.stderr
