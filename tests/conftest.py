@@ -22,3 +22,51 @@ def cpu_kernels():
     module = load_kernels()
     assert module is not None, f"the cpu kernels must build on this machine: {kernel_failure()}"
     return module
+
+
+EXAMPLE_PLUGIN = os.path.join(os.path.dirname(__file__), "example_plugin")
+
+
+@pytest.fixture(scope="session")
+def example_chip_on_path():
+    """The test-only ``example_chip`` plugin, installed for this test session only.
+
+    Its package stays in tests/example_plugin; a temporary directory holds its distribution
+    metadata (name, version and the ``fastdeploy`` entry point, from its pyproject.toml), so
+    entry-point discovery finds it as it finds any installed plugin. Both go on ``sys.path`` and
+    on ``PYTHONPATH`` (for the kit's subprocesses) and are taken off again, and the directory
+    removed, when the session ends: the user's venv never lists it in ``fastdeploy env``.
+    """
+    import shutil
+    import sys
+    import tempfile
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
+        import tomli as tomllib
+
+    with open(os.path.join(EXAMPLE_PLUGIN, "pyproject.toml"), "rb") as fh:
+        project = tomllib.load(fh)["project"]
+    site = tempfile.mkdtemp(prefix="fd-example-chip-")
+    dist_info = os.path.join(site, f"{project['name'].replace('-', '_')}-{project['version']}.dist-info")
+    os.mkdir(dist_info)
+    with open(os.path.join(dist_info, "METADATA"), "w", encoding="utf-8") as fh:
+        fh.write(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    with open(os.path.join(dist_info, "entry_points.txt"), "w", encoding="utf-8") as fh:
+        for group, entries in project["entry-points"].items():
+            fh.write(f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in entries.items()))
+    paths = [site, EXAMPLE_PLUGIN]
+    old_pythonpath = os.environ.get("PYTHONPATH")
+    sys.path[:0] = paths
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + ([old_pythonpath] if old_pythonpath else []))
+    try:
+        yield site
+    finally:
+        for path in paths:
+            sys.path.remove(path)
+        if old_pythonpath is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_pythonpath
+        shutil.rmtree(site, ignore_errors=True)

@@ -231,8 +231,7 @@ def test_pytest_plugin_passes_on_cpu():
     assert " passed" in proc.stdout and "failed" not in proc.stdout
 
 
-def test_example_plugin_passes_and_its_broken_op_fails():
-    pytest.importorskip("fd_example_chip", reason="pip install -e tests/example_plugin (scripts/setup_env.sh test does)")
+def test_example_plugin_passes_and_its_broken_op_fails(example_chip_on_path):
     good = _kit("--fd-device=example_chip")
     assert good.returncode == 0, good.stdout[-3000:]
     broken = _kit("--fd-device=example_chip", "--fd-ops-class=fd_example_chip.ops:BrokenExampleOps")
