@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 import typer
 
 from fastdeploy_core.cli.generate import _PASS_THROUGH, ENGINE_FLAGS_HELP, engine_args_from_extra
+from fastdeploy_core.cli.progress import progress_bar
 from fastdeploy_core.errors import FastDeployError
 
 bench_app = typer.Typer(
@@ -40,8 +42,10 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0) -> 
     return rng.integers(_FIRST_PLAIN_TOKEN, high, size=(num, input_len)).tolist()
 
 
-def measure_iteration(engine, prompts: list[list[int]], output_len: int) -> dict:
-    """Run ``prompts`` to ``output_len`` tokens each; prefill and decode times in seconds."""
+def measure_iteration(engine, prompts: list[list[int]], output_len: int, progress=None) -> dict:
+    """Run ``prompts`` to ``output_len`` tokens each; prefill and decode times in seconds.
+
+    ``progress`` (a tqdm bar) advances by the tokens each step generated."""
     from fastdeploy_core.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -52,9 +56,13 @@ def measure_iteration(engine, prompts: list[list[int]], output_len: int) -> dict
     first_done = None
     steps = 0
     while engine.has_unfinished_requests():
+        generated = 0
         for out in engine.step():
             if out.outputs[0].token_ids:
                 waiting_first.discard(out.request_id)
+                generated += 1
+        if progress is not None:
+            progress.update(generated)
         steps += 1
         if first_done is None and not waiting_first:
             first_done = time.perf_counter()
@@ -125,15 +133,19 @@ def latency_command(
         raise typer.Exit(2) from None
     vocab = engine.core.vocab_size
     runs = []
-    for i in range(num_iters_warmup + num_iters):
+    iters = num_iters_warmup + num_iters
+    bar = progress_bar(iters * batch_size * output_len, f"{iters} iterations", "tokens")
+    for i in range(iters):
         prompts = random_prompts(batch_size, input_len, vocab, seed=seed + i)
-        result = measure_iteration(engine, prompts, output_len)
+        result = measure_iteration(engine, prompts, output_len, bar)
         if i >= num_iters_warmup:
             runs.append(result)
-            typer.echo(
+            bar.write(
                 f"iter {i - num_iters_warmup}: {result['latency_s']:.3f} s  prefill {result['prefill_tok_s']:.1f} tok/s  "
-                f"decode {result['decode_tok_s']:.1f} tok/s"
+                f"decode {result['decode_tok_s']:.1f} tok/s",
+                file=sys.stdout,
             )
+    bar.close()
     summary = {
         "batch_size": batch_size,
         "input_len": input_len,
@@ -176,7 +188,8 @@ def throughput_command(
         raise typer.Exit(2) from None
     measure_iteration(engine, random_prompts(1, input_len, engine.core.vocab_size, seed=seed + 10_000), 4)  # warm-up
     prompts = random_prompts(num_prompts, input_len, engine.core.vocab_size, seed=seed)
-    result = measure_iteration(engine, prompts, output_len)
+    with progress_bar(num_prompts * output_len, f"{num_prompts} requests", "tokens") as bar:
+        result = measure_iteration(engine, prompts, output_len, bar)
     elapsed = result["latency_s"]
     summary = {
         "num_prompts": num_prompts,

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 import typer
 
+from fastdeploy_core.cli.progress import progress_bar
+
 _WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea", "kid", "body", "information", "back", "parent", "face", "others", "level", "office", "door", "health", "person", "art", "war", "history", "party", "result", "change", "morning", "reason", "research", "girl", "guy", "moment", "air", "teacher", "force", "education", "river", "mountain", "garden", "window", "music", "market", "energy", "light", "paper", "table", "science", "language", "animal"]
 
 _QUESTIONS = (
@@ -148,11 +150,13 @@ async def run_benchmark(
     seed: int = 0,
     timeout: float = 1800.0,
     transport=None,
+    progress=None,
 ) -> dict:
     """Send ``requests`` at ``request_rate`` (Poisson; inf = all at once) with at most
     ``max_concurrency`` in flight; return the summary (times in ms, the 1/5/15-minute load
     averages of this machine before and after: on a shared machine they say what the figures
-    are worth). ``transport`` is an httpx transport (tests)."""
+    are worth). ``transport`` is an httpx transport (tests); ``progress`` (a tqdm bar) advances
+    as each request finishes."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -168,7 +172,10 @@ async def run_benchmark(
 
         async def limited(req: BenchRequest) -> RequestResult:
             async with sem:
-                return await _one(client, path, backend, model, req, headers)
+                result = await _one(client, path, backend, model, req, headers)
+            if progress is not None:
+                progress.update(1)
+            return result
 
         tasks = []
         start = time.perf_counter()
@@ -239,6 +246,11 @@ def format_summary(s: dict) -> str:
 
 def plot_summaries(summaries: list[tuple[str, dict]], path: str) -> None:
     """Bar charts of throughput and latency for one or more labelled runs."""
+    import logging
+
+    # matplotlib logs "generated new fontManager" at INFO the first time it runs on a machine:
+    # nothing the user asked about, and the report above would end with it.
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib
     except ImportError:
@@ -293,7 +305,10 @@ def bench_serve_command(
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the report
     reqs = make_requests(dataset_name, num_prompts, random_input_len, random_output_len, seed)
-    summary = asyncio.run(run_benchmark(base_url, backend, model, reqs, max_concurrency, request_rate, api_key, seed))
+    with progress_bar(len(reqs), f"{base_url}", "requests") as bar:
+        summary = asyncio.run(
+            run_benchmark(base_url, backend, model, reqs, max_concurrency, request_rate, api_key, seed, progress=bar)
+        )
     summary["label"] = label or base_url
     summary["dataset_name"] = dataset_name
     typer.echo(format_summary(summary))
