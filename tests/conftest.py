@@ -54,8 +54,10 @@ def example_chip_on_path():
     with open(os.path.join(dist_info, "METADATA"), "w", encoding="utf-8") as fh:
         fh.write(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
     with open(os.path.join(dist_info, "entry_points.txt"), "w", encoding="utf-8") as fh:
-        for group, entries in project["entry-points"].items():
-            fh.write(f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in entries.items()))
+        fh.writelines(
+            f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in entries.items())
+            for group, entries in project["entry-points"].items()
+        )
     paths = [site, EXAMPLE_PLUGIN]
     old_pythonpath = os.environ.get("PYTHONPATH")
     sys.path[:0] = paths

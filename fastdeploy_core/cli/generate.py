@@ -156,6 +156,9 @@ def generate_command(
                 typer.echo(c.text)
 
 
+CHAT_HINT = "Type a message and press Enter; /reset forgets the conversation; /exit or Ctrl-D quits."
+
+
 def chat_command(
     ctx: typer.Context,
     system: str | None = typer.Option(None, "--system", help="System message."),
@@ -179,11 +182,14 @@ def chat_command(
         _fail(exc)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
+    typer.echo(CHAT_HINT, err=True)
     while True:
         if interactive:
             typer.echo(">>> ", nl=False)
         line = sys.stdin.readline()
         if not line:
+            if interactive:
+                typer.echo()  # Ctrl-D leaves the cursor after ">>> "; the shell's prompt gets its own line
             break
         text = line.strip()
         if not text:
@@ -216,6 +222,7 @@ def stream_answer(llm, messages: list[dict], params) -> str:
     )
     rid = engine.add_request(prompt, params)
     text = ""
+    cut = False
     try:
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -226,9 +233,12 @@ def stream_answer(llm, messages: list[dict], params) -> str:
                     sys.stdout.write(delta)
                     sys.stdout.flush()
                 text = out.outputs[0].text
+                cut = out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) >= params.max_tokens
     except BaseException:
         engine.abort_request([rid])
         raise
+    if cut:  # say so, or a sentence that ends mid-word looks like the model's own answer
+        sys.stdout.write(f" [cut at --max-tokens {params.max_tokens}]")
     sys.stdout.write("\n")
     sys.stdout.flush()
     return text

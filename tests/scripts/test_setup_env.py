@@ -34,7 +34,12 @@ def fake_venv(tmp_path):
         calls.write_text("")
         env = dict(os.environ, FD_VENV=str(tmp_path / "venv"), FAKE_CALLS=str(calls))
         proc = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "setup_env.sh"), *args], capture_output=True, text=True, env=env, timeout=60
+            ["bash", str(ROOT / "scripts" / "setup_env.sh"), *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
         )
         assert proc.returncode == 0, proc.stderr
         assert all(line.startswith("setup: ") for line in proc.stderr.splitlines()), proc.stderr
@@ -70,7 +75,9 @@ def _without_test_paths(env: dict) -> dict:
 
 def test_the_venv_lists_no_test_only_plugin():
     cmd = [sys.executable, "-m", "fastdeploy_core.cli", "plugins", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_without_test_paths(dict(os.environ)))
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=120, env=_without_test_paths(dict(os.environ))
+    )
     assert proc.returncode == 0, proc.stderr
     names = {row["name"] for row in json.loads(proc.stdout)["plugins"]}
     assert "builtin" in names and "example_chip" not in names, names
@@ -78,7 +85,7 @@ def test_the_venv_lists_no_test_only_plugin():
 
 def test_the_test_session_installs_the_example_plugin_for_itself(example_chip_on_path):
     cmd = [sys.executable, "-m", "fastdeploy_core.cli", "plugins", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = {row["name"]: row for row in json.loads(proc.stdout)["plugins"]}
     assert rows["example_chip"]["distribution"] == "fd-example-chip" and rows["example_chip"]["status"] == "loaded"
