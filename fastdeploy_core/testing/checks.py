@@ -120,10 +120,11 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: str, what: str
     err = np.abs(actual - expected)
     bound = atol + rtol * np.abs(expected)
     if np.any(err > bound):
-        worst = np.unravel_index(int(np.argmax(err - bound)), err.shape)
+        # Plain Python numbers: numpy 2 would print np.int64(0) and np.float32(-2.89) here.
+        worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(err - bound)), err.shape))
         raise AssertionError(
             f"{what} [{dtype}]: max abs error {err.max():.3g} exceeds atol {atol} + rtol {rtol}; worst at {worst}: "
-            f"{actual[worst]!r} vs reference {expected[worst]!r}"
+            f"{float(actual[worst]):.6g} vs reference {float(expected[worst]):.6g}"
         )
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 
 KIT_MODULE = Path(__file__).with_name("conformance.py")
+#: How the kit's tests are named in reports: ``fastdeploy_core/testing/conformance.py::test_...``.
+KIT_NODE_PREFIX = "fastdeploy_core/testing/conformance.py"
 
 
 @pytest.fixture
@@ -79,6 +81,32 @@ def _import_ops_class(spec: str | None):
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise pytest.UsageError(f"--fd-ops-class {spec!r}: {type(exc).__name__}: {exc}") from None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    """Name the kit's tests after its module in every report: it is the one path given to
+    pytest, so pytest would print them with an empty path (``::test_declaration``)."""
+    report = yield
+    if report.nodeid.startswith("::") and item.path == KIT_MODULE:
+        report.nodeid = KIT_NODE_PREFIX + report.nodeid
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Each failed check with its whole message (pytest's own summary cuts it at the terminal's
+    width, and what differed is at the end)."""
+    if not getattr(config, "_fd_kit", None):
+        return
+    failed = terminalreporter.stats.get("failed", [])
+    if not failed:
+        return
+    terminalreporter.section(f"fastdeploy conformance kit: {len(failed)} failed")
+    for report in failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1]
+        message = message.removeprefix("AssertionError: ")
+        terminalreporter.write_line(f"{report.nodeid.rpartition('::')[2]}: {message}")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:

@@ -104,18 +104,22 @@ class _QuietBootstrapLoader(importlib.abc.Loader):
         module.__loader__ = self.loader
         module.__spec__.loader = self.loader
         threads = os.environ.get("OMP_NUM_THREADS", "")
-        if not threads.isdigit() or int(threads) <= 1:
-            self.loader.exec_module(module)
-            return
-        os.environ["OMP_NUM_THREADS"] = "1"
+        pinned = threads.isdigit() and int(threads) > 1
+        if pinned:
+            os.environ["OMP_NUM_THREADS"] = "1"
         try:
-            self.loader.exec_module(module)
+            with warnings.catch_warnings():
+                # Its import also warns that ccache is missing (it only speeds up rebuilding C++
+                # extensions); a filter set earlier may be gone by then (pytest resets them).
+                warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+                self.loader.exec_module(module)
         finally:
-            os.environ["OMP_NUM_THREADS"] = threads
+            if pinned:
+                os.environ["OMP_NUM_THREADS"] = threads
         # The OpenMP runtime reads the variable lazily, but set MKL's and OpenMP's count as well
         # in case anything in the import already started it.
         core = getattr(getattr(module, "base", None), "core", None)
-        if hasattr(core, "set_num_threads"):
+        if pinned and hasattr(core, "set_num_threads"):
             core.set_num_threads(int(threads))
 
 
