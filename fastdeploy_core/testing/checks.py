@@ -120,7 +120,7 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: str, what: str
     err = np.abs(actual - expected)
     bound = atol + rtol * np.abs(expected)
     if np.any(err > bound):
-        # Plain Python numbers: numpy 2 would print np.int64(0) and np.float32(-2.89) here.
+        # Plain Python numbers: numpy 2 would print the reprs of its scalar types here.
         worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(err - bound)), err.shape))
         raise AssertionError(
             f"{what} [{dtype}]: max abs error {err.max():.3g} exceeds atol {atol} + rtol {rtol}; worst at {worst}: "

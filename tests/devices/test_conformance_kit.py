@@ -14,6 +14,8 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
@@ -238,6 +240,37 @@ def test_example_plugin_passes_and_its_broken_op_fails(example_chip_on_path):
     assert broken.returncode == 1, broken.stdout[-3000:]
     assert "FAILED" in broken.stdout and "test_op_parity[float32-rms_norm]" in broken.stdout
     assert "rms_norm output 0 [float32]: max abs error" in broken.stdout
+    # docs/writing-a-plugin.md shows the end of this very run: every line of it but the timing
+    shown = _doc_block_after("After each failure's traceback")
+    assert shown[0].startswith("=") and "3 failed" in shown[-1], shown
+    for line in shown[:-1]:
+        assert line in broken.stdout.splitlines(), line
+    assert "np.int64" not in broken.stdout and "\nFAILED ::" not in broken.stdout
+
+
+def _doc_block_after(marker: str) -> list[str]:
+    """The lines of the first fenced block after ``marker`` in docs/writing-a-plugin.md."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "writing-a-plugin.md").read_text(encoding="utf-8")
+    after = doc[doc.index(marker) :]
+    return after.split("```\n", 2)[1].strip("\n").splitlines()
+
+
+def test_the_guides_ops_snippet_runs_as_written(manager):
+    """The ``MyChipOps`` snippet of the plugin guide, as printed: its imports resolve and, without
+    the vendor kernel, ``silu_and_mul`` falls back to the reference."""
+    import numpy as np
+    import paddle
+
+    from fastdeploy_core.devices.reference_ops import ReferenceOps
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "writing-a-plugin.md").read_text(encoding="utf-8")
+    snippet = doc[doc.index("class MyChipOps(FusedOps)") :]
+    snippet = doc[: doc.index("class MyChipOps(FusedOps)")].rsplit("```python\n", 1)[1] + snippet.split("```", 1)[0]
+    namespace: dict = {}
+    exec(textwrap.dedent(snippet), namespace)  # noqa: S102 - the guide's own code
+    ops = namespace["MyChipOps"]()
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((3, 8)).astype("float32"))
+    np.testing.assert_allclose(ops.silu_and_mul(x).numpy(), ReferenceOps().silu_and_mul(x).numpy(), rtol=1e-6)
 
 
 def test_pytest_plugin_fails_for_an_unavailable_device_unless_asked_for_cpu_paths():
