@@ -61,7 +61,8 @@ def test_kernels_disabled(env, disabled):
 
 def _python(code: str, threads: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS=threads)
-    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300, env=env)
+    cmd = [sys.executable, "-c", code]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
 
 
 _OMP_THREADS = (
