@@ -314,11 +314,16 @@ class StructuredOutputConfig(_Section):
 
     ``guided_decoding_backend`` names a registered backend (``auto`` prefers ``guidance``; ``off``
     refuses constrained requests); ``tool_call_parser`` a registered tool-call parser, which the
-    API server uses to find the tool calls in the text of ``tool_choice: auto`` replies.
+    API server uses to find the tool calls in the text of ``tool_choice: auto`` replies;
+    ``tool_parser_plugin`` a Python file that registers more tool-call parsers (FastDeploy's
+    flag); ``reasoning_parser`` a registered reasoning parser, which splits a chat reply into
+    ``reasoning_content`` and ``content``.
     """
 
     guided_decoding_backend: str = Field("auto", min_length=1)
     tool_call_parser: str | None = None
+    tool_parser_plugin: str | None = None
+    reasoning_parser: str | None = None
 
 
 class ServerConfig(_Section):

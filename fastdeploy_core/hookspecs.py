@@ -134,5 +134,16 @@ def register_tool_parsers(register):
 
 
 @hookspec
+def register_reasoning_parsers(register):
+    """Register reasoning parsers: ``register("qwen3", "module:ParserClass")``.
+
+    The class subclasses
+    :class:`fastdeploy_core.entrypoints.openai.reasoning_parsers.ReasoningParser` (split a
+    model's reply into its reasoning and its answer, whole or streamed); its name is a value of
+    ``--reasoning-parser``. A ``"module:Class"`` target is imported only when that parser is chosen.
+    """
+
+
+@hookspec
 def register_commands(app):
     """Add sub-commands to the ``fastdeploy`` typer application ``app``."""

@@ -55,6 +55,7 @@ HOOK_NAMES = (
     "register_proposers",
     "register_guided_backends",
     "register_tool_parsers",
+    "register_reasoning_parsers",
 )
 
 T = TypeVar("T")
@@ -151,6 +152,7 @@ class PluginManager:
         self.proposers: Registry[Any] = Registry("speculative decoding method")
         self.guided_backends: Registry[Any] = Registry("guided decoding backend")
         self.tool_parsers: Registry[Any] = Registry("tool call parser")
+        self.reasoning_parsers: Registry[Any] = Registry("reasoning parser")
         self._info_by_name: dict[str, PluginInfo] = {}
 
     # ---- loading ---------------------------------------------------------------------------
@@ -223,6 +225,7 @@ class PluginManager:
                 "register_proposers": self.proposers,
                 "register_guided_backends": self.guided_backends,
                 "register_tool_parsers": self.tool_parsers,
+                "register_reasoning_parsers": self.reasoning_parsers,
             }[hook_name]
 
             def register(name: str, cls: type) -> None:

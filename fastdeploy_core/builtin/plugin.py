@@ -81,6 +81,19 @@ def register_tool_parsers(register):
         register(name, target)
 
 
+#: The core's reasoning parsers (``--reasoning-parser``).
+BUILTIN_REASONING_PARSERS: dict[str, str] = {
+    "deepseek_r1": "fastdeploy_core.entrypoints.openai.reasoning_parsers:DeepSeekR1ReasoningParser",
+    "qwen3": "fastdeploy_core.entrypoints.openai.reasoning_parsers:Qwen3ReasoningParser",
+}
+
+
+@hookimpl
+def register_reasoning_parsers(register):
+    for name, target in BUILTIN_REASONING_PARSERS.items():
+        register(name, target)
+
+
 @hookimpl
 def register_commands(app):
     for module_name in CORE_COMMAND_MODULES:

@@ -61,11 +61,14 @@ def build_configs(preset: dict[str, Any], flags: dict[str, Any]):
         from fastdeploy_core.spec_decode import proposer_class
 
         proposer_class(engine.speculative)  # likewise an unknown speculative method, or a key it does not read
-    from fastdeploy_core.entrypoints.openai.tool_parsers import tool_parser_class
+    from fastdeploy_core.entrypoints.openai.reasoning_parsers import reasoning_parser_class
+    from fastdeploy_core.entrypoints.openai.tool_parsers import load_tool_parser_plugin, tool_parser_class
     from fastdeploy_core.guided.registry import guided_backend_class
 
     guided_backend_class(engine.structured.guided_decoding_backend)
+    load_tool_parser_plugin(engine.structured.tool_parser_plugin)  # before the name it may register is looked up
     tool_parser_class(engine.structured.tool_call_parser)
+    reasoning_parser_class(engine.structured.reasoning_parser)
     return engine, server
 
 
@@ -128,6 +131,8 @@ def serve(
     cache_transfer_protocol: str | None = typer.Option(None, "--cache-transfer-protocol", help="KV-cache transports of prefill/decode instances; only the default (tcp) is accepted until the transfer is implemented."),
     guided_decoding_backend: str | None = typer.Option(None, "--guided-decoding-backend", help="Structured output (response_format json_object/json_schema, guided_json/regex/choice/grammar): auto (default: guidance) | guidance (llguidance) | xgrammar (when a plugin provides it) | off."),
     tool_call_parser: str | None = typer.Option(None, "--tool-call-parser", help="How tool calls are found in replies to tool_choice auto: hermes (<tool_call>{...}</tool_call>, SmolLM2/Qwen) | llama3_json | one a plugin registers. Without it, tool_choice auto answers in text."),
+    tool_parser_plugin: str | None = typer.Option(None, "--tool-parser-plugin", help="Python file defining register_tool_parsers(register) that registers more tool-call parsers (ToolParser subclasses) for --tool-call-parser (docs/writing-a-plugin.md, section 4)."),
+    reasoning_parser: str | None = typer.Option(None, "--reasoning-parser", help="Return a thinking model's reasoning as reasoning_content beside content: deepseek_r1 (reasoning until </think>) | qwen3 (<think>...</think> at the head of the reply) | one a plugin registers."),
     config: str | None = typer.Option(None, "--config", help="YAML preset of these flags (dash or underscore names); flags given here win."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
 ) -> None:
@@ -164,6 +169,7 @@ def serve(
         "splitwise_role": splitwise_role, "router": router, "router_secret": router_secret,
         "pd_comm_port": pd_comm_port, "cache_transfer_protocol": cache_transfer_protocol,
         "guided_decoding_backend": guided_decoding_backend, "tool_call_parser": tool_call_parser,
+        "tool_parser_plugin": tool_parser_plugin, "reasoning_parser": reasoning_parser,
     }
     try:
         preset = load_preset(config) if config else {}

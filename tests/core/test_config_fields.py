@@ -93,6 +93,8 @@ FIELDS: dict[tuple[str, str], tuple] = {
     ("graph_opt", "cudagraph_capture_sizes"): read(RUNNER, "graph_opt.cudagraph_capture_sizes"),
     ("structured", "guided_decoding_backend"): read(CORE, "guided_backend_class(args.structured.guided_decoding_backend)"),
     ("structured", "tool_call_parser"): read(SERVER, "engine_args.structured.tool_call_parser"),
+    ("structured", "tool_parser_plugin"): read(SERVER, "load_tool_parser_plugin(engine_args.structured.tool_parser_plugin)"),
+    ("structured", "reasoning_parser"): read(SERVER, "reasoning_parser_class(engine_args.structured.reasoning_parser)"),
     ("graph_opt", "graph_opt_level"): refused(1, "graph_opt_level 1: FastDeploy's static-graph (1) and CINN (2) "
                                                  "levels are not implemented here", "graph_optimization_config"),
     ("splitwise", "router"): read(SERVE, "RouterHeartbeat(split.router, info, secret, health)"),

@@ -148,10 +148,12 @@ def test_plugins_json_command_lists_every_plugin():
     assert rows["builtin"]["registered"]["devices"][0] == "cpu"
     assert rows["llama"]["version"] == "0.1.0"
     assert set(rows["llama"]["registered"]) == {
-        "devices", "models", "quantizers", "schedulers", "proposers", "guided_backends", "tool_parsers"
+        "devices", "models", "quantizers", "schedulers", "proposers", "guided_backends", "tool_parsers",
+        "reasoning_parsers",
     }
     assert rows["builtin"]["registered"]["proposers"] == ["ngram"]
     assert rows["builtin"]["registered"]["guided_backends"] == ["guidance"]
+    assert rows["builtin"]["registered"]["reasoning_parsers"] == ["deepseek_r1", "qwen3"]
 
 
 def test_plugins_command_says_which_implementation_serves_a_model(tmp_path):

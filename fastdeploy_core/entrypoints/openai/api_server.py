@@ -59,12 +59,15 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
     # Resolved before serving so a wrong --model fails at once with its own message.
     source = resolve_model_source(engine_args.model.model)
     tokenizer = load_tokenizer(source)
-    from fastdeploy_core.entrypoints.openai.tool_parsers import tool_parser_class
+    from fastdeploy_core.entrypoints.openai.reasoning_parsers import reasoning_parser_class
+    from fastdeploy_core.entrypoints.openai.tool_parsers import load_tool_parser_plugin, tool_parser_class
     from fastdeploy_core.guided.registry import guided_backend_class
 
     # Unknown names fail before the engine starts, listing the registered ones.
     guided_backend = guided_backend_class(engine_args.structured.guided_decoding_backend)
+    load_tool_parser_plugin(engine_args.structured.tool_parser_plugin)
     tool_parser = tool_parser_class(engine_args.structured.tool_call_parser)
+    reasoning_parser = reasoning_parser_class(engine_args.structured.reasoning_parser)
     holder: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
@@ -98,6 +101,7 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
             policy=engine_args.scheduler.policy,
             guided_backend=guided_backend,
             tool_parser=tool_parser,
+            reasoning_parser=reasoning_parser,
         )
         holder["state"] = state
         metrics_server = None

@@ -217,6 +217,9 @@ class ChatMessageParam(OpenAIBaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     #: A ``tool`` turn: the call this result answers.
     tool_call_id: str | None = None
+    #: An assistant turn's reasoning as a reasoning parser returned it (templates that keep or
+    #: drop past reasoning read it).
+    reasoning_content: str | None = None
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it."""
@@ -227,6 +230,8 @@ class ChatMessageParam(OpenAIBaseModel):
             out["tool_calls"] = self.tool_calls
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
     def text(self) -> str:
@@ -358,11 +363,17 @@ class PromptTokensDetails(_ResponseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_ResponseModel):
+    #: Tokens of the reply's reasoning section (with --reasoning-parser), tags included.
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(_ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(_ResponseModel):
@@ -400,6 +411,8 @@ class DeltaToolCall(_ResponseModel):
 class ChatMessage(_ResponseModel):
     role: str = "assistant"
     content: str | None = None
+    #: The reply's reasoning section (with --reasoning-parser; vLLM's field name).
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
@@ -428,6 +441,7 @@ class ChatCompletionResponse(_ResponseModel):
 class DeltaMessage(_ResponseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None

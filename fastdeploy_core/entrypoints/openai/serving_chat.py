@@ -22,6 +22,7 @@ from fastdeploy_core.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCall,
 )
+from fastdeploy_core.entrypoints.openai.reasoning_parsers import ReasoningParser, reasoning_token_count
 from fastdeploy_core.entrypoints.openai.serving_engine import (
     SSE_DONE,
     LeasedStreamingResponse,
@@ -80,6 +81,36 @@ def tool_mode(state: ServingState, req: ChatCompletionRequest) -> str | None:
     return "auto" if state.tool_parser is not None else None
 
 
+#: Constraints whose reply is JSON from its first token: no room for a reasoning section, so
+#: their replies are never split (with deepseek_r1 they would all count as reasoning).
+_JSON_KINDS = ("json", "json_object")
+
+
+def reasoning_parser_for(state: ServingState, req: ChatCompletionRequest, mode: str | None) -> ReasoningParser | None:
+    """A fresh ``--reasoning-parser`` for one choice, or None when the reply is not split: no
+    parser chosen, a forced tool call, or a JSON constraint. Other constraints (regex, choice,
+    grammar) cover the whole reply, reasoning included, and their replies are split."""
+    if state.reasoning_parser is None or mode in ("named", "required"):
+        return None
+    guided = req.guided_params()
+    if guided is not None and guided.kind in _JSON_KINDS:
+        return None
+    return state.reasoning_parser(state.tokenizer)
+
+
+def _reasoning_tokens(state: ServingState, req: ChatCompletionRequest, mode: str | None, outputs) -> int | None:
+    """Usage's reasoning_tokens over every choice (None without a reasoning parser)."""
+    if state.reasoning_parser is None:
+        return None
+    total = 0
+    for c in outputs:
+        parser = reasoning_parser_for(state, req, mode)
+        if parser is not None:
+            split = parser.partition(c.text, finished=True)
+            total += reasoning_token_count(list(c.token_ids), split.reasoning_chars, state.tokenizer.decode)
+    return total
+
+
 def _tool_constraint(req: ChatCompletionRequest, mode: str | None) -> GuidedDecodingParams | None:
     if mode == "named":
         name = req.named_tool()
@@ -129,12 +160,18 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     mode = tool_mode(state, req)
     for c in sorted(final.outputs, key=lambda c: c.index):
         completion_tokens += len(c.token_ids)
-        content, calls, finish = _reply(state, req, mode, c.text, _finish_reason(c.finish_reason))
+        text, reasoning = c.text, None
+        parser = reasoning_parser_for(state, req, mode)
+        if parser is not None:
+            split = parser.partition(text, finished=True)
+            text, reasoning = split.content, split.reasoning or None
+        content, calls, finish = _reply(state, req, mode, text, _finish_reason(c.finish_reason))
         choices.append(
             ChatCompletionChoice(
                 index=c.index,
                 message=ChatMessage(
-                    content=content,
+                    content=content if parser is None else content or None,
+                    reasoning_content=reasoning,
                     tool_calls=[ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
                                 for t in calls] or None,
                     prompt_token_ids=list(final.prompt_token_ids) if req.return_token_ids else None,
@@ -150,7 +187,8 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
         id=request_id,
         model=model,
         choices=choices,
-        usage=usage_for(len(prompt_ids), completion_tokens, final.num_cached_tokens),
+        usage=usage_for(len(prompt_ids), completion_tokens, final.num_cached_tokens,
+                        _reasoning_tokens(state, req, mode, final.outputs)),
     )
 
 
@@ -170,7 +208,10 @@ def _reply(state: ServingState, req: ChatCompletionRequest, mode: str | None, te
 
 
 class _ChoiceStream:
-    """Turns one choice's text deltas into OpenAI stream deltas (content or tool calls)."""
+    """Turns one choice's text deltas into OpenAI stream deltas (reasoning, content or tool calls).
+
+    With a reasoning parser the raw text is split first; the content part then goes through the
+    tool-call logic as if it were the whole reply."""
 
     def __init__(self, state: ServingState, req: ChatCompletionRequest, mode: str | None):
         self.state, self.req, self.mode = state, req, mode
@@ -178,8 +219,26 @@ class _ChoiceStream:
         self.sent = 0  # characters of text already sent (as content or as arguments)
         self.call_id = f"call_{uuid.uuid4().hex[:24]}"
         self.parser = state.tool_parser(state.tokenizer) if mode == "auto" else None
+        self.reasoning = reasoning_parser_for(state, req, mode)
+        self.raw = ""  # the reply so far, reasoning included (with a reasoning parser)
+        self.reasoning_sent = 0
 
     def delta(self, new_text: str, finish: str | None) -> tuple[DeltaMessage | None, str | None]:
+        if self.reasoning is None:
+            return self._content_delta(new_text, finish)
+        self.raw += new_text
+        split = self.reasoning.partition(self.raw, finished=finish is not None)
+        thought, self.reasoning_sent = split.reasoning[self.reasoning_sent :], len(split.reasoning)
+        content_new = split.content[len(self.text) :]
+        delta, reason = self._content_delta(content_new, finish)
+        if thought:
+            delta = delta or DeltaMessage()
+            delta.reasoning_content = thought
+            if delta.content == "":
+                delta.content = None  # a reasoning chunk carries no empty content beside it
+        return delta, reason
+
+    def _content_delta(self, new_text: str, finish: str | None) -> tuple[DeltaMessage | None, str | None]:
         self.text += new_text
         if self.mode == "named":
             return self._named(finish)
@@ -295,7 +354,8 @@ async def _stream(
                     created=created,
                     model=model,
                     choices=[],
-                    usage=usage_for(len(prompt_ids), completion_tokens, final.num_cached_tokens),
+                    usage=usage_for(len(prompt_ids), completion_tokens, final.num_cached_tokens,
+                                    _reasoning_tokens(state, req, mode, final.outputs)),
                 )
             )
     yield SSE_DONE

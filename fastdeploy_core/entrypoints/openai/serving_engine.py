@@ -45,6 +45,7 @@ from fastdeploy_core.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy_core.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     CompletionLogprobs,
+    CompletionTokensDetails,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
@@ -218,6 +219,8 @@ class ServingState:
     guided_backend: Any = None
     #: The ``--tool-call-parser`` class, None when none was chosen.
     tool_parser: Any = None
+    #: The ``--reasoning-parser`` class, None when none was chosen.
+    reasoning_parser: Any = None
     _longest_token: int = field(default=64, init=False)
 
     def __post_init__(self) -> None:
@@ -507,12 +510,17 @@ def _finite(x: float) -> float:
     return max(float(x), -9999.0)
 
 
-def usage_for(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+def usage_for(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+              reasoning_tokens: int | None = None) -> UsageInfo:
+    """Usage; ``reasoning_tokens`` (with a reasoning parser) goes into completion_tokens_details."""
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+        if reasoning_tokens is not None
+        else None,
     )
 
 

@@ -11,7 +11,10 @@ constrained by guided decoding to JSON (:func:`required_schema`: an array of
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
+import os
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -145,6 +148,61 @@ def tool_parser_class(name: str | None, plugin_manager=None) -> type[ToolParser]
             param="tool_call_parser",
         )
     return import_target(target)
+
+
+#: The function a ``--tool-parser-plugin`` file defines: the hook's name and signature.
+TOOL_PARSER_PLUGIN_FUNCTION = "register_tool_parsers"
+
+
+def load_tool_parser_plugin(path: str | None, plugin_manager=None) -> list[str]:
+    """Run the Python file ``path`` (FastDeploy's ``--tool-parser-plugin FILE``) and register the
+    tool-call parsers it defines; the names registered (none for no path).
+
+    The file is the ``register_tool_parsers`` hook without a package: it defines
+    ``register_tool_parsers(register)`` and calls ``register("name", ParserClass)`` for each
+    :class:`ToolParser` subclass, as an installed plugin's hook would. A second load of the same
+    file into the same manager registers nothing again (the CLI and the app both load it).
+    """
+    if not path:
+        return []
+    from fastdeploy_core.plugins import PluginInfo, get_plugin_manager, import_target
+
+    pm = plugin_manager or get_plugin_manager()
+    real = os.path.realpath(path)
+    loaded: dict[str, list[str]] = pm.__dict__.setdefault("tool_parser_files", {})
+    if real in loaded:
+        return loaded[real]
+    if not os.path.isfile(real):
+        raise ConfigError(f"tool_parser_plugin: {path} is not a file; give the path of a Python file that "
+                          f"defines {TOOL_PARSER_PLUGIN_FUNCTION}(register)", param="tool_parser_plugin")
+    module_name = f"fastdeploy_tool_parser_plugin_{hashlib.sha256(real.encode()).hexdigest()[:12]}"
+    spec = importlib.util.spec_from_file_location(module_name, real)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as exc:  # noqa: BLE001 - the user's file: report what it raised
+        raise ConfigError(f"tool_parser_plugin: {path} raised {type(exc).__name__}: {exc}; fix the file",
+                          param="tool_parser_plugin") from None
+    hook = getattr(module, TOOL_PARSER_PLUGIN_FUNCTION, None)
+    if not callable(hook):
+        raise ConfigError(f"tool_parser_plugin: {path} defines no {TOOL_PARSER_PLUGIN_FUNCTION}(register) "
+                          f"function; define it and call register(\"name\", ParserClass) in it",
+                          param="tool_parser_plugin")
+    info = PluginInfo(name=f"file:{os.path.basename(real)}", distribution=real, version="file", module=module_name)
+    names: list[str] = []
+
+    def register(name: str, target: Any) -> None:
+        cls = import_target(target)
+        if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
+            raise ConfigError(f"tool_parser_plugin: {path} registered {name!r} as {cls!r}, which is not a "
+                              "subclass of fastdeploy_core.entrypoints.openai.tool_parsers.ToolParser",
+                              param="tool_parser_plugin")
+        pm.tool_parsers.add(name, cls, info)
+        names.append(name)
+
+    hook(register)
+    loaded[real] = names
+    return names
 
 
 # --- tool_choice required / named: constrained JSON ------------------------------------------
