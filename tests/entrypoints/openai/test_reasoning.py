@@ -328,3 +328,16 @@ def test_server_uses_the_plugin_files_tool_parser_after_the_reasoning(srv):
     assert choice["message"]["reasoning_content"] == "weather"
     call = choice["message"]["tool_calls"][0]["function"]
     assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "Paris"})
+
+
+def test_the_guides_tool_parser_plugin_file_works(tmp_path):
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "writing-a-plugin.md").read_text(encoding="utf-8")
+    snippet = doc.split("```python\n# my_parsers.py\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "my_parsers.py"
+    path.write_text(snippet)
+    pm = load_plugins()
+    assert load_tool_parser_plugin(str(path), pm) == ["call_line"]
+    reply = tool_parser_class("call_line", pm)().parse('CALL f {"a": 1}')
+    assert (reply.content, reply.tool_calls[0].name, reply.tool_calls[0].arguments) == (None, "f", '{"a": 1}')
