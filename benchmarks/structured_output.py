@@ -55,8 +55,7 @@ SCHEMAS = {
             "type": "string", "format": "email"}, "maxItems": 20}, "recurring": {"type": "boolean"}},
         "required": ["title", "start"]},
     "product_catalog": {"type": "array", "maxItems": 10, "items": {"type": "object", "properties": {
-        "id": {"type": "integer"}, "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"},
-                                                                       "uniqueItems": False},
+        "id": {"type": "integer"}, "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
         "in_stock": {"type": "boolean"}, "rating": {"type": ["number", "null"]}}, "required": ["id", "name"]}},
     "github_issue": {"type": "object", "properties": {
         "title": {"type": "string"}, "body": {"type": "string"},
