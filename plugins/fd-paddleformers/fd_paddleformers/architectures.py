@@ -19,6 +19,8 @@ from fd_paddleformers.generations import GENERATIONS, Generation, generation_for
 
 logger = logging.getLogger(__name__)
 
+#: the name under which PaddleFormers' modeling modules look up their attention kernel
+ATTENTION_TABLE = "ALL_ATTENTION_FUNCTIONS"
 #: HF architecture suffixes the fallback serves (a causal LM head on the base model)
 CAUSAL_LM_SUFFIX = "ForCausalLM"
 

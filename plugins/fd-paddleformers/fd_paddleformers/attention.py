@@ -36,6 +36,9 @@ class StepContext:
 
     meta: Any = None
     kv_caches: Any = None
+    #: attention calls in this step: every decoder layer must make one, or its attention ran
+    #: past the paged cache (and its output is silently wrong)
+    attention_calls: int = 0
 
 
 class PagedAttentionBinding:
@@ -78,6 +81,7 @@ def paged_attention_forward(
             f"{step.meta.input_ids.shape[0]}: the q/k/v layout is not the one {binding.generation.name} uses"
         )
     out = binding.attention(q, k, v, step.kv_caches[binding.layer_index], step.meta)
+    step.attention_calls += 1
     return out.reshape([1, num_tokens, num_heads * head_dim]), None
 
 

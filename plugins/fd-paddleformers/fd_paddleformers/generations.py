@@ -34,6 +34,8 @@ COMMON_OVERRIDES = {
     "use_fused_rope": False,
     "recompute": False,
     "recompute_granularity": None,
+    # multi-token-prediction heads (ERNIE-4.5-MoE, DeepSeek-V3) serve speculative decoding only
+    "num_nextn_predict_layers": 0,
 }
 
 

@@ -22,6 +22,7 @@ follows the block tables, so no per-request work happens in Python.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from collections.abc import Iterable
 
@@ -35,7 +36,7 @@ from fastdeploy_core.layers.attention import Attention
 from fastdeploy_core.layers.embedding import LMHead, VocabEmbedding
 from fastdeploy_core.layers.linear import Linear, LinearMethodBase, MergedColumnLinear
 from fastdeploy_core.layers.norm import RMSNorm
-from fd_paddleformers.architectures import NotServableError, PaddleFormersTarget, resolve_target
+from fd_paddleformers.architectures import ATTENTION_TABLE, NotServableError, PaddleFormersTarget, resolve_target
 from fd_paddleformers.attention import (
     ATTENTION_IMPLEMENTATION,
     BINDING_ATTRIBUTE,
@@ -263,6 +264,13 @@ class PaddleFormersForCausalLM(nn.Layer):
                 f"'layers' list of {self.num_layers} decoder layers"
             )
         modules = {type(getattr(layer, "self_attn", None)).__module__ for layer in layers}
+        for name in modules:
+            if ATTENTION_TABLE not in vars(sys.modules.get(name) or object):
+                raise UnsupportedArchitectureError(
+                    f"the PaddleFormers fallback cannot serve {architecture}: {self.target.generation.name}'s "
+                    f"attention ({name}) computes attention itself instead of through the attention-function "
+                    f"table ({ATTENTION_TABLE}), so it cannot use the engine's paged KV cache"
+                )
         self.fast_rotary = all(install_fast_rotary(name) for name in modules)
         for index, layer in enumerate(layers):
             attn = getattr(layer, "self_attn", None)
@@ -336,6 +344,7 @@ class PaddleFormersForCausalLM(nn.Layer):
         """Hidden states ``[T, H]`` of the step's flattened tokens (after the final norm)."""
         self._step.meta = meta
         self._step.kv_caches = kv_caches
+        self._step.attention_calls = 0
         try:
             embeds = self.model.embed_tokens(meta.input_ids).unsqueeze(0)
             with fallback_step():
@@ -345,6 +354,11 @@ class PaddleFormersForCausalLM(nn.Layer):
         finally:
             self._step.meta = None
             self._step.kv_caches = None
+        if self._step.attention_calls != self.num_layers:
+            raise UnsupportedArchitectureError(
+                f"{type(self.model).__name__} ran {self._step.attention_calls} of its {self.num_layers} attention "
+                "layers through the engine's paged attention; the others bypassed the KV cache"
+            )
         hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
         return hidden.reshape([-1, self.hidden_size])
 
