@@ -95,5 +95,42 @@ def main(out_dir: str, names: list[str]) -> None:
         json.dump(reference, f)
 
 
+#: the words of the chat checkpoint's tokenizer (ids 3..127 after [UNK], <|im_start|>, <|im_end|>)
+CHAT_WORDS = ["user", "assistant", "system", "Hello", "how", "are", "you", "?", "!", "."] + [f"w{i}" for i in range(115)]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+
+def write_chat_checkpoint(path: str) -> None:
+    """A tiny random Qwen3 directory a chat request can run on: 32k positions, a word-level
+    tokenizer with ChatML special tokens, eos = ``<|im_end|>``."""
+    sys.modules.setdefault("torchcodec", None)
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = transformers.Qwen3Config(
+        **dict(COMMON, max_position_embeddings=32768, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        head_dim=32,
+        tie_word_embeddings=False,
+        **ROPE,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).eval().save_pretrained(path)
+    vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    vocab.update({word: 3 + i for i, word in enumerate(CHAT_WORDS)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "[UNK]", "chat_template": CHATML}, f)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    if sys.argv[1] == "--chat":
+        write_chat_checkpoint(sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2:])
