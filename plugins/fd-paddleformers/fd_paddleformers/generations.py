@@ -71,6 +71,9 @@ class Generation:
         """The attention function's q/k/v as ``[T, heads, dim]`` tensors (batch is 1)."""
         raise NotImplementedError
 
+    def prepare_modules(self) -> None:
+        """Adjust PaddleFormers' modules once before a model is built (idempotent)."""
+
 
 def _tokens_from_bthd(x: paddle.Tensor) -> paddle.Tensor:
     _, num_tokens, heads, dim = x.shape
@@ -111,6 +114,16 @@ class PaddleFormers04(Generation):
 
     def attention_tokens(self, query, key, value):
         return _tokens_from_bthd(query), _tokens_from_bthd(key), _tokens_from_bthd(value)
+
+    def prepare_modules(self) -> None:
+        # 0.4's MLP calls paddle.incubate's swiglu, which since Paddle 3.3 emits a deprecation
+        # warning on every call (one per decode step in the server's log); paddle.nn.functional's
+        # is the same kernel (bitwise equal outputs)
+        import paddle.nn.functional as F
+        from paddleformers.nn import mlp
+
+        if hasattr(F, "swiglu"):
+            mlp.fused_swiglu = F.swiglu
 
 
 class PaddleFormers1(Generation):

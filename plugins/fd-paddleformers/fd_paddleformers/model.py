@@ -134,6 +134,7 @@ class PaddleFormersForCausalLM(nn.Layer):
                 f"the PaddleFormers fallback cannot serve {architecture}: {exc}"
             ) from None
         register_paged_attention()
+        target.generation.prepare_modules()
         self.config = hf_config
         self.pf_config = pf_config
         self.target = target
