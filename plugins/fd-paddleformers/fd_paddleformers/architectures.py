@@ -56,7 +56,7 @@ def import_paddleformers():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import paddleformers
-            import paddleformers.transformers  # noqa: F401
+            import paddleformers.transformers
             from paddleformers.transformers.auto import configuration as auto_configuration
             from paddleformers.transformers.auto import modeling as auto_modeling
     except ImportError as exc:
@@ -88,9 +88,7 @@ def resolve_target(hf_config: dict) -> PaddleFormersTarget:
     module_name = auto_modeling.MAPPING_NAMES.get(family)
     if module_name is None:
         known = ", ".join(f"{k}{CAUSAL_LM_SUFFIX}" for k in auto_modeling.MAPPING_NAMES)
-        raise NotServableError(
-            f"{generation.name} has no implementation of {architecture} (it knows: {known})"
-        )
+        raise NotServableError(f"{generation.name} has no implementation of {architecture} (it knows: {known})")
     module_path = f"paddleformers.transformers.{module_name}"
     try:
         with warnings.catch_warnings():

@@ -19,6 +19,8 @@ fallback drives (the attention-function table, ``nn.norm.RMSNorm``, ``nn.mlp.MLP
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import paddle
 
 from fd_paddleformers.weight_mapping import Rule, UnsupportedMappingError, build_rules
@@ -51,7 +53,7 @@ class Generation:
     #: version prefixes this adapter was checked on
     versions: tuple[str, ...] = ()
     #: generation-specific config switches, on top of :data:`COMMON_OVERRIDES`
-    overrides: dict = {}
+    overrides: ClassVar[dict] = {}
 
     def config_overrides(self) -> dict:
         return {**COMMON_OVERRIDES, **self.overrides}
@@ -92,7 +94,12 @@ class PaddleFormers04(Generation):
 
     name = "PaddleFormers 0.4"
     versions = ("0.4.",)
-    overrides = {"tensor_parallel_degree": 1, "fuse_rope": False, "fuse_linear": False, "fuse_attention_qkv": False}
+    overrides: ClassVar[dict] = {
+        "tensor_parallel_degree": 1,
+        "fuse_rope": False,
+        "fuse_linear": False,
+        "fuse_attention_qkv": False,
+    }
 
     def prepare_config(self, hf_config: dict) -> dict:
         values = dict(hf_config)
@@ -131,7 +138,7 @@ class PaddleFormers1(Generation):
 
     name = "PaddleFormers 1.x"
     versions = ("1.",)
-    overrides = {"tensor_model_parallel_size": 1, "apply_rope_fusion": False}
+    overrides: ClassVar[dict] = {"tensor_model_parallel_size": 1, "apply_rope_fusion": False}
 
     def base_model_name(self, auto_modeling, family: str) -> str:
         return auto_modeling.MAPPING_SPACIAL_KEY.get(family, family) + "Model"

@@ -182,7 +182,11 @@ class PaddleFormersForCausalLM(nn.Layer):
         if type(child) is nn.Linear:
             in_features, out_features = child.weight.shape
             layer = Linear(
-                in_features, out_features, bias=child.bias is not None, quant_config=self.quant_config, prefix=f"model.{path}"
+                in_features,
+                out_features,
+                bias=child.bias is not None,
+                quant_config=self.quant_config,
+                prefix=f"model.{path}",
             )
             self._linear_weights.add(f"{path}.weight")
             return layer
@@ -281,7 +285,11 @@ class PaddleFormersForCausalLM(nn.Layer):
                 )
             scale = getattr(attn, "scaling", None)
             core_attention = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale)
-            setattr(attn, BINDING_ATTRIBUTE, PagedAttentionBinding(index, core_attention, self._step, self.target.generation))
+            setattr(
+                attn,
+                BINDING_ATTRIBUTE,
+                PagedAttentionBinding(index, core_attention, self._step, self.target.generation),
+            )
 
     def _complete_rules(self, rules: list[Rule]) -> list[Rule]:
         """The generation's rules plus an equal-name rule for every parameter they leave out.
@@ -444,7 +452,9 @@ class PaddleFormersForCausalLM(nn.Layer):
         if not head_loaded:
             missing.append("lm_head.weight")
         if missing:
-            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:5])}")
+            raise ModelLoadError(
+                f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:5])}"
+            )
         for layer in self.sublayers():
             method = getattr(layer, "quant_method", None)
             if isinstance(method, LinearMethodBase):

@@ -44,22 +44,43 @@ ROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=1000.0))  # not
 CHECKPOINTS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, **ROPE)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=None, tie_word_embeddings=False)),
-    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16, tie_word_embeddings=True, use_bias=False, **ROPE)),
+    "ernie4_5": (
+        "Ernie4_5Config",
+        "Ernie4_5ForCausalLM",
+        dict(head_dim=16, tie_word_embeddings=True, use_bias=False, **ROPE),
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False, **ROPE)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False, **ROPE)),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
-        dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-             tie_word_embeddings=False, **ROPE),
+        dict(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+            **ROPE,
+        ),
     ),
     "ernie4_5_moe": (
         "Ernie4_5_MoeConfig",
         "Ernie4_5_MoeForCausalLM",
-        dict(head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
-             moe_layer_start_index=1, moe_layer_end_index=1, moe_layer_interval=1, use_bias=False,
-             tie_word_embeddings=True, **ROPE),
+        dict(
+            head_dim=16,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=32,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            moe_layer_end_index=1,
+            moe_layer_interval=1,
+            use_bias=False,
+            tie_word_embeddings=True,
+            **ROPE,
+        ),
     ),
 }
 
@@ -71,7 +92,14 @@ def main(out_dir: str, names: list[str]) -> None:
     import torch
     import transformers
 
-    reference = {"prompts": PROMPTS, "max_new": MAX_NEW, "logits_prompt": LOGITS_PROMPT, "tokens": {}, "logits": {}, "paths": {}}
+    reference = {
+        "prompts": PROMPTS,
+        "max_new": MAX_NEW,
+        "logits_prompt": LOGITS_PROMPT,
+        "tokens": {},
+        "logits": {},
+        "paths": {},
+    }
     for name, (config_cls, model_cls, extra) in CHECKPOINTS.items():
         if names and name not in names:
             continue
@@ -96,7 +124,9 @@ def main(out_dir: str, names: list[str]) -> None:
 
 
 #: the words of the chat checkpoint's tokenizer (ids 3..127 after [UNK], <|im_start|>, <|im_end|>)
-CHAT_WORDS = ["user", "assistant", "system", "Hello", "how", "are", "you", "?", "!", "."] + [f"w{i}" for i in range(115)]
+CHAT_WORDS = ["user", "assistant", "system", "Hello", "how", "are", "you", "?", "!", "."] + [
+    f"w{i}" for i in range(115)
+]
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
@@ -126,7 +156,9 @@ def write_chat_checkpoint(path: str) -> None:
     tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     tokenizer.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "[UNK]", "chat_template": CHATML}, f)
+        json.dump(
+            {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "[UNK]", "chat_template": CHATML}, f
+        )
 
 
 if __name__ == "__main__":
