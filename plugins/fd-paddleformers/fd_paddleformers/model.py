@@ -1,4 +1,4 @@
-"""The PaddleFormers fallback model: any dense decoder PaddleFormers builds, served by our engine.
+"""The PaddleFormers fallback model: a decoder PaddleFormers builds, served by our engine.
 
 :class:`PaddleFormersForCausalLM` has the model interface of the native models
 (``forward(meta, kv_caches) -> hidden [T, H]``, ``compute_logits``, ``load_weights``,
@@ -12,8 +12,9 @@
 * its ``nn.Linear`` layers become core :class:`~fastdeploy_core.layers.linear.Linear` (so
   quantization methods apply), its RMS norms the core ``RMSNorm`` and its token embedding the
   core ``VocabEmbedding`` (device ops); the LM head is the core ``LMHead``;
-* weights load from the HF checkpoint names through PaddleFormers' own mapping declaration
-  (:mod:`fd_paddleformers.weight_mapping`).
+* its mixture-of-experts blocks become the core ``SparseMoeBlock`` (:mod:`fd_paddleformers.moe`);
+* weights load from the HF checkpoint names, through the installed generation's mapping
+  (:mod:`fd_paddleformers.generations`: equal names on 0.4, PaddleFormers' own declaration on 1.x).
 
 The whole step is one ragged batch ``[1, T]``: RoPE follows ``meta.positions`` and attention
 follows the block tables, so no per-request work happens in Python.
