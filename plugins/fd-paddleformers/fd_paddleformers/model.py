@@ -326,7 +326,7 @@ class PaddleFormersForCausalLM(nn.Layer):
                 )
             path = f"layers.{index}.mlp"
             shared = getattr(mlp, "shared_experts", None)
-            layer.mlp = make_block(spec, self.hidden_size, shared, prefix=f"model.{path}")
+            layer.mlp = make_block(spec, self.hidden_size, shared, self.quant_config, prefix=f"model.{path}")
             kept = f"{path}.shared_experts."
             self.rules = [r for r in self.rules if not (r.dest or "").startswith(f"{path}.") or r.dest.startswith(kept)]
             hf_path = f"{self._hf_prefix}.{path}" if self._hf_prefix else path

@@ -85,7 +85,10 @@ def checkpoint_sources(spec: RouterSpec, hf_prefix: str, dest_prefix: str) -> li
     return out
 
 
-def make_block(spec: RouterSpec, hidden_size: int, shared_experts: nn.Layer | None, prefix: str) -> BatchedMoe:
+def make_block(
+    spec: RouterSpec, hidden_size: int, shared_experts: nn.Layer | None, quant_config, prefix: str
+) -> BatchedMoe:
+    """The core block for ``spec``; ``quant_config`` stores its experts as the native MoE models' are."""
     return BatchedMoe(
         hidden_size,
         spec.num_experts,
@@ -96,5 +99,6 @@ def make_block(spec: RouterSpec, hidden_size: int, shared_experts: nn.Layer | No
         norm_min=spec.norm_min,
         correction_bias=spec.correction_bias,
         shared_experts=shared_experts,
+        quant_config=quant_config,
         prefix=prefix,
     )
