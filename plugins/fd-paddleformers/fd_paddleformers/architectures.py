@@ -15,8 +15,12 @@ import logging
 import warnings
 from dataclasses import dataclass
 
+from fd_paddleformers.generations import GENERATIONS, Generation, generation_for
+
 logger = logging.getLogger(__name__)
 
+#: the name under which PaddleFormers' modeling modules look up their attention kernel
+ATTENTION_TABLE = "ALL_ATTENTION_FUNCTIONS"
 #: HF architecture suffixes the fallback serves (a causal LM head on the base model)
 CAUSAL_LM_SUFFIX = "ForCausalLM"
 
@@ -30,18 +34,19 @@ class PaddleFormersTarget:
     """The PaddleFormers classes for one checkpoint."""
 
     family: str  # PaddleFormers' family key, e.g. "Phi3"
+    generation: Generation  # the installed PaddleFormers generation's adapter
     module: str  # e.g. "paddleformers.transformers.phi3"
     config_cls: type
     base_model_cls: type
 
 
-#: the PaddleFormers releases whose model code and mapping declarations this adapter was checked on
-TESTED_PADDLEFORMERS = ("1.2.",)
-INSTALL_HINT = "pip install --no-deps paddleformers==1.2.0 (see plugins/fd-paddleformers/README.md)"
+INSTALL_HINT = "pip install --no-deps paddleformers==0.4.0 (see plugins/fd-paddleformers/README.md)"
 
 
 def import_paddleformers():
-    """Import PaddleFormers quietly; :class:`NotServableError` with the install line if it cannot.
+    """``(auto configuration, auto modeling, generation adapter)`` of the installed PaddleFormers.
+
+    Raises :class:`NotServableError` with the install line if it cannot be imported.
 
     Importing PaddleFormers has process-wide effects: when torch is not imported yet it
     imports transformers with torch hidden (transformers then runs without torch in this
@@ -51,15 +56,19 @@ def import_paddleformers():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import paddleformers
-            import paddleformers.transformers  # noqa: F401
+            import paddleformers.transformers
             from paddleformers.transformers.auto import configuration as auto_configuration
             from paddleformers.transformers.auto import modeling as auto_modeling
     except ImportError as exc:
         raise NotServableError(f"PaddleFormers is not importable ({exc}); {INSTALL_HINT}") from None
-    version = getattr(paddleformers, "__version__", "unknown")
-    if not version.startswith(TESTED_PADDLEFORMERS):
-        logger.warning("PaddleFormers %s is installed; the fallback was checked on %s", version, INSTALL_HINT)
-    return auto_configuration, auto_modeling
+    version = str(getattr(paddleformers, "__version__", "unknown"))
+    generation = generation_for(version)
+    if generation is None:
+        # an untested release: follow its major version's adapter, and say so
+        generation = GENERATIONS[0] if version.startswith("0.") else GENERATIONS[1]
+        checked = ", ".join(f"{g.name} ({'/'.join(g.versions)}x)" for g in GENERATIONS)
+        logger.warning("PaddleFormers %s is installed; the fallback was checked on %s", version, checked)
+    return auto_configuration, auto_modeling, generation
 
 
 def resolve_target(hf_config: dict) -> PaddleFormersTarget:
@@ -75,11 +84,11 @@ def resolve_target(hf_config: dict) -> PaddleFormersTarget:
     if not architecture.endswith(CAUSAL_LM_SUFFIX):
         raise NotServableError(f"{architecture} is not a causal language model (*{CAUSAL_LM_SUFFIX})")
     family = architecture[: -len(CAUSAL_LM_SUFFIX)]
-    auto_configuration, auto_modeling = import_paddleformers()
+    auto_configuration, auto_modeling, generation = import_paddleformers()
     module_name = auto_modeling.MAPPING_NAMES.get(family)
     if module_name is None:
         known = ", ".join(f"{k}{CAUSAL_LM_SUFFIX}" for k in auto_modeling.MAPPING_NAMES)
-        raise NotServableError(f"PaddleFormers has no implementation of {architecture} (it knows: {known})")
+        raise NotServableError(f"{generation.name} has no implementation of {architecture} (it knows: {known})")
     module_path = f"paddleformers.transformers.{module_name}"
     try:
         with warnings.catch_warnings():
@@ -87,7 +96,7 @@ def resolve_target(hf_config: dict) -> PaddleFormersTarget:
             module = importlib.import_module(module_path)
     except Exception as exc:  # e.g. ImportError: paddlefleet is required for gpt_provider
         raise NotServableError(f"PaddleFormers' {module_path} does not import here: {exc}") from None
-    base_name = auto_modeling.MAPPING_SPACIAL_KEY.get(family, family) + "Model"
+    base_name = generation.base_model_name(auto_modeling, family)
     try:
         base_model_cls = getattr(module, base_name)
     except Exception as exc:  # PaddleFormers' lazy modules raise their own error types
@@ -103,4 +112,4 @@ def resolve_target(hf_config: dict) -> PaddleFormersTarget:
         config_cls = getattr(base_model_cls, "config_class", None)
     if config_cls is None:
         raise NotServableError(f"PaddleFormers has no config class for model_type {model_type!r}")
-    return PaddleFormersTarget(family, module_path, config_cls, base_model_cls)
+    return PaddleFormersTarget(family, generation, module_path, config_cls, base_model_cls)

@@ -1,9 +1,10 @@
 """PaddleFormers attention routed into the core's paged attention.
 
 PaddleFormers' attention modules look their kernel up by name in a table,
-``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``, and call it with
-``query [1, heads, T, d]``, ``key``/``value [1, kv_heads, T, d]`` (RoPE already applied) and
-the module itself. The fallback builds models with ``_attn_implementation`` set to
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``, and call it with the query, key and
+value (RoPE already applied, batch 1, laid out ``[1, T, heads, d]`` by PaddleFormers 0.4 and
+``[1, heads, T, d]`` by 1.x: the generation adapter turns them into ``[T, heads, d]``) and the
+module itself. The fallback builds models with ``_attn_implementation`` set to
 :data:`ATTENTION_IMPLEMENTATION` and registers :func:`paged_attention_forward` under that
 name: it writes the step's K/V into the engine's paged cache and attends over the whole
 cached context through the core :class:`~fastdeploy_core.layers.attention.Attention` layer,
@@ -35,15 +36,19 @@ class StepContext:
 
     meta: Any = None
     kv_caches: Any = None
+    #: attention calls in this step: every decoder layer must make one, or its attention ran
+    #: past the paged cache (and its output is silently wrong)
+    attention_calls: int = 0
 
 
 class PagedAttentionBinding:
     """Ties one PaddleFormers attention module to its KV cache layer and the core attention."""
 
-    def __init__(self, layer_index: int, attention: Attention, step: StepContext):
+    def __init__(self, layer_index: int, attention: Attention, step: StepContext, generation):
         self.layer_index = layer_index
         self.attention = attention
         self.step = step
+        self.generation = generation
 
 
 def paged_attention_forward(
@@ -68,17 +73,15 @@ def paged_attention_forward(
             "build and run it through fd_paddleformers.PaddleFormersForCausalLM"
         )
     step = binding.step
-    _, num_heads, num_tokens, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    if num_tokens == 1:  # one decode token: [1, h, 1, d] already has the memory order of [1, h, d]
-        q = query.reshape([1, num_heads, head_dim])
-        k = key.reshape([1, num_kv_heads, head_dim])
-        v = value.reshape([1, num_kv_heads, head_dim])
-    else:
-        q = query.transpose([0, 2, 1, 3]).reshape([num_tokens, num_heads, head_dim])
-        k = key.transpose([0, 2, 1, 3]).reshape([num_tokens, num_kv_heads, head_dim])
-        v = value.transpose([0, 2, 1, 3]).reshape([num_tokens, num_kv_heads, head_dim])
+    q, k, v = binding.generation.attention_tokens(query, key, value)
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens != step.meta.input_ids.shape[0]:
+        raise RuntimeError(
+            f"{type(module).__name__} handed the attention {num_tokens} tokens for a step of "
+            f"{step.meta.input_ids.shape[0]}: the q/k/v layout is not the one {binding.generation.name} uses"
+        )
     out = binding.attention(q, k, v, step.kv_caches[binding.layer_index], step.meta)
+    step.attention_calls += 1
     return out.reshape([1, num_tokens, num_heads * head_dim]), None
 
 

@@ -1,4 +1,4 @@
-"""The PaddleFormers fallback model: any dense decoder PaddleFormers builds, served by our engine.
+"""The PaddleFormers fallback model: a decoder PaddleFormers builds, served by our engine.
 
 :class:`PaddleFormersForCausalLM` has the model interface of the native models
 (``forward(meta, kv_caches) -> hidden [T, H]``, ``compute_logits``, ``load_weights``,
@@ -12,8 +12,9 @@
 * its ``nn.Linear`` layers become core :class:`~fastdeploy_core.layers.linear.Linear` (so
   quantization methods apply), its RMS norms the core ``RMSNorm`` and its token embedding the
   core ``VocabEmbedding`` (device ops); the LM head is the core ``LMHead``;
-* weights load from the HF checkpoint names through PaddleFormers' own mapping declaration
-  (:mod:`fd_paddleformers.weight_mapping`).
+* its mixture-of-experts blocks become the core ``SparseMoeBlock`` (:mod:`fd_paddleformers.moe`);
+* weights load from the HF checkpoint names, through the installed generation's mapping
+  (:mod:`fd_paddleformers.generations`: equal names on 0.4, PaddleFormers' own declaration on 1.x).
 
 The whole step is one ragged batch ``[1, T]``: RoPE follows ``meta.positions`` and attention
 follows the block tables, so no per-request work happens in Python.
@@ -22,6 +23,7 @@ follows the block tables, so no per-request work happens in Python.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from collections.abc import Iterable
 
@@ -35,7 +37,7 @@ from fastdeploy_core.layers.attention import Attention
 from fastdeploy_core.layers.embedding import LMHead, VocabEmbedding
 from fastdeploy_core.layers.linear import Linear, LinearMethodBase, MergedColumnLinear
 from fastdeploy_core.layers.norm import RMSNorm
-from fd_paddleformers.architectures import NotServableError, PaddleFormersTarget, resolve_target
+from fd_paddleformers.architectures import ATTENTION_TABLE, NotServableError, PaddleFormersTarget, resolve_target
 from fd_paddleformers.attention import (
     ATTENTION_IMPLEMENTATION,
     BINDING_ATTRIBUTE,
@@ -43,27 +45,17 @@ from fd_paddleformers.attention import (
     StepContext,
     register_paged_attention,
 )
+from fd_paddleformers.generations import MappingNotDeclared
+from fd_paddleformers.moe import checkpoint_sources, is_moe_block, make_block, router_spec
 from fd_paddleformers.rotary import fallback_step, install_fast_rotary
-from fd_paddleformers.weight_mapping import Rule, UnsupportedMappingError, build_rules, fuse
+from fd_paddleformers.weight_mapping import Rule, fuse
 
 logger = logging.getLogger(__name__)
 
-#: config switches forced on every PaddleFormers config: one device, no training features,
-#: no fused kernels that a device may lack (each is a no-op for families that do not read it)
-CONFIG_OVERRIDES = {
-    "dtype": "float32",
-    "tensor_model_parallel_size": 1,
-    "sequence_parallel": False,
-    "use_cache": False,
-    "fuse_rms_norm": False,
-    "use_fused_rms_norm": False,
-    "apply_rope_fusion": False,
-    "use_fused_rope": False,
-    "recompute": False,
-    "recompute_granularity": None,
-}
 #: checkpoint keys that only drive HF behaviour and would confuse the PaddleFormers config
 DROPPED_CONFIG_KEYS = ("torch_dtype", "dtype", "transformers_version", "quantization_config", "auto_map")
+#: where HF causal-LM checkpoints keep the base model's tensors
+HF_BASE_PREFIX = "model"
 #: checkpoint tensors no implementation needs
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -82,9 +74,10 @@ def _sliding_window_problem(hf_config: dict) -> str | None:
 
 
 def make_paddleformers_config(target: PaddleFormersTarget, hf_config: dict):
-    """PaddleFormers' config for the checkpoint, with :data:`CONFIG_OVERRIDES` applied."""
-    values = {k: v for k, v in hf_config.items() if k not in DROPPED_CONFIG_KEYS}
-    values.update(CONFIG_OVERRIDES)
+    """PaddleFormers' config for the checkpoint, read as its generation reads it, with the overrides."""
+    overrides = target.generation.config_overrides()
+    values = {k: v for k, v in target.generation.prepare_config(hf_config).items() if k not in DROPPED_CONFIG_KEYS}
+    values.update(overrides)
     values["_attn_implementation"] = ATTENTION_IMPLEMENTATION
     act = str(values.get("hidden_act", "silu"))
     # PaddleFormers' MLP applies swiglu (silu(gate) * up) as one op only when told to
@@ -92,22 +85,18 @@ def make_paddleformers_config(target: PaddleFormersTarget, hf_config: dict):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = target.config_cls(**values)
-    for key, value in CONFIG_OVERRIDES.items():
+    for key, value in overrides.items():
         setattr(config, key, value)
     config._attn_implementation = ATTENTION_IMPLEMENTATION
     return config
 
 
 def mapping_rules(target: PaddleFormersTarget, config) -> list[Rule]:
-    """The checkpoint -> parameter rules PaddleFormers declares for the base model."""
-    generate = getattr(target.base_model_cls, "_gen_aoa_config", None)
-    if generate is None:
-        raise NotServableError(f"{target.base_model_cls.__name__} declares no checkpoint mapping (_gen_aoa_config)")
-    statements = generate(config)["aoa_statements"]
+    """The checkpoint -> parameter rules the installed generation declares for the base model."""
     try:
-        return build_rules(statements, int(config.num_hidden_layers))
-    except UnsupportedMappingError as exc:
-        raise NotServableError(f"its checkpoint mapping uses a form the fallback does not load: {exc}") from None
+        return target.generation.mapping_rules(target.base_model_cls, config)
+    except MappingNotDeclared as exc:
+        raise NotServableError(str(exc)) from None
 
 
 def check_servable(hf_config: dict) -> tuple[PaddleFormersTarget, object, list[Rule]]:
@@ -146,6 +135,7 @@ class PaddleFormersForCausalLM(nn.Layer):
                 f"the PaddleFormers fallback cannot serve {architecture}: {exc}"
             ) from None
         register_paged_attention()
+        target.generation.prepare_modules()
         self.config = hf_config
         self.pf_config = pf_config
         self.target = target
@@ -177,11 +167,12 @@ class PaddleFormersForCausalLM(nn.Layer):
         self._redirects: dict[str, tuple[str, str]] = {}
         #: checkpoint projection -> (merged layer, shard), for loaders that route by layer name
         self.packed_modules_mapping: dict[str, tuple[str, str]] = {}
+        self.rules = self._complete_rules(rules)
+        self._swap_moe(architecture)
         self._merge_gate_up()
         self._swap_layers()
         self._bind_attention(architecture)
         self.lm_head = LMHead(self.vocab_size, self.hidden_size, quant_config=quant_config)
-        self.rules = rules
         for rule in self.rules:
             if rule.dest in self._redirects:
                 rule.dest, rule.shard = self._redirects[rule.dest]
@@ -192,7 +183,11 @@ class PaddleFormersForCausalLM(nn.Layer):
         if type(child) is nn.Linear:
             in_features, out_features = child.weight.shape
             layer = Linear(
-                in_features, out_features, bias=child.bias is not None, quant_config=self.quant_config, prefix=f"model.{path}"
+                in_features,
+                out_features,
+                bias=child.bias is not None,
+                quant_config=self.quant_config,
+                prefix=f"model.{path}",
             )
             self._linear_weights.add(f"{path}.weight")
             return layer
@@ -223,7 +218,8 @@ class PaddleFormersForCausalLM(nn.Layer):
             if type(gate) is not nn.Linear or type(up) is not nn.Linear or gate.weight.shape != up.weight.shape:
                 continue
             hidden, inter = (int(n) for n in gate.weight.shape)
-            fused_name = mlp.gate_up_proj_name
+            # 1.x names the fused projection per family (gate_up_proj_name); 0.4 always calls it up_gate_proj
+            fused_name = getattr(mlp, "gate_up_proj_name", "up_gate_proj")
             names = {}
             for name, child in list(mlp._sub_layers.items()):
                 if child is gate or child is up:
@@ -274,6 +270,13 @@ class PaddleFormersForCausalLM(nn.Layer):
                 f"'layers' list of {self.num_layers} decoder layers"
             )
         modules = {type(getattr(layer, "self_attn", None)).__module__ for layer in layers}
+        for name in modules:
+            if ATTENTION_TABLE not in vars(sys.modules.get(name) or object):
+                raise UnsupportedArchitectureError(
+                    f"the PaddleFormers fallback cannot serve {architecture}: {self.target.generation.name}'s "
+                    f"attention ({name}) computes attention itself instead of through the attention-function "
+                    f"table ({ATTENTION_TABLE}), so it cannot use the engine's paged KV cache"
+                )
         self.fast_rotary = all(install_fast_rotary(name) for name in modules)
         for index, layer in enumerate(layers):
             attn = getattr(layer, "self_attn", None)
@@ -283,25 +286,67 @@ class PaddleFormersForCausalLM(nn.Layer):
                 )
             scale = getattr(attn, "scaling", None)
             core_attention = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale)
-            setattr(attn, BINDING_ATTRIBUTE, PagedAttentionBinding(index, core_attention, self._step))
+            setattr(
+                attn,
+                BINDING_ATTRIBUTE,
+                PagedAttentionBinding(index, core_attention, self._step, self.target.generation),
+            )
+
+    def _complete_rules(self, rules: list[Rule]) -> list[Rule]:
+        """The generation's rules plus an equal-name rule for every parameter they leave out.
+
+        Like PaddleFormers' own loaders, a parameter no declared rule names loads from the
+        checkpoint tensor of the same name under the base model's prefix (all of them on 0.4;
+        e.g. an o_proj bias of ERNIE 4.5 that 1.x's mapping leaves out); checkpoints store
+        linears ``[out, in]``, PaddleFormers' ``nn.Linear`` holds ``[in, out]``.
+        """
+        linear_weights = {f"{path}.weight" for path, layer in self.model.named_sublayers() if type(layer) is nn.Linear}
+        # HF checkpoints keep the base model under "model." whatever PaddleFormers calls it (0.4's
+        # Llama says base_model_prefix="llama")
+        prefix = HF_BASE_PREFIX
+        targets = {r.dest for r in rules if r.dest is not None}
+        rules = list(rules)
+        for name, _ in self.model.named_parameters():
+            if name not in targets:
+                rules.append(Rule([f"{prefix}.{name}" if prefix else name], name, "copy", [name in linear_weights]))
+        self._hf_prefix = prefix
+        return rules
+
+    def _swap_moe(self, architecture: str) -> None:
+        """Replace PaddleFormers' MoE blocks by the core's (:mod:`fd_paddleformers.moe`) and route their tensors."""
+        for index, layer in enumerate(getattr(self.model, "layers", None) or []):
+            mlp = getattr(layer, "mlp", None)
+            if mlp is None or not is_moe_block(mlp):
+                continue
+            spec = router_spec(self.target.family, self.config)
+            if spec is None:
+                raise UnsupportedArchitectureError(
+                    f"the PaddleFormers fallback cannot serve {architecture}: its mixture-of-experts router is not "
+                    "one the core MoE layer implements (Qwen3-MoE's and ERNIE-4.5-MoE's are)"
+                )
+            path = f"layers.{index}.mlp"
+            shared = getattr(mlp, "shared_experts", None)
+            layer.mlp = make_block(spec, self.hidden_size, shared, self.quant_config, prefix=f"model.{path}")
+            kept = f"{path}.shared_experts."
+            self.rules = [r for r in self.rules if not (r.dest or "").startswith(f"{path}.") or r.dest.startswith(kept)]
+            hf_path = f"{self._hf_prefix}.{path}" if self._hf_prefix else path
+            for source, dest, shard, transposed in checkpoint_sources(spec, hf_path, path):
+                self.rules.append(Rule([source], dest, "copy", [transposed], shard=shard))
 
     def _check_rules(self, architecture: str) -> None:
         params = dict(self.model.named_parameters())
         targets = {r.dest for r in self.rules if r.dest is not None}
-        # Like PaddleFormers' own loader, a parameter no statement names loads from the
-        # checkpoint tensor of the same name (under the base model's prefix, e.g. an o_proj
-        # bias of Ernie 4.5 that its mapping leaves out); checkpoints store linears [out, in].
-        prefix = getattr(self.target.base_model_cls, "base_model_prefix", "model")
-        for name in params:
-            if name not in targets:
-                transposed = name in self._linear_weights
-                self.rules.append(Rule([f"{prefix}.{name}" if prefix else name], name, "copy", [transposed]))
-                targets.add(name)
         stray = sorted(d for d in targets if d not in params and not d.startswith("lm_head."))
         if stray:
             raise UnsupportedArchitectureError(
                 f"the PaddleFormers fallback cannot serve {architecture}: PaddleFormers' mapping names "
                 f"parameters its base model does not have: {', '.join(stray[:5])}"
+            )
+        unnamed = sorted(p for p in params if p not in targets)
+        if unnamed:
+            raise UnsupportedArchitectureError(
+                f"the PaddleFormers fallback cannot serve {architecture}: no checkpoint tensor maps to "
+                f"{', '.join(unnamed[:5])}"
             )
 
     # ---- the model interface -----------------------------------------------------------------
@@ -309,6 +354,7 @@ class PaddleFormersForCausalLM(nn.Layer):
         """Hidden states ``[T, H]`` of the step's flattened tokens (after the final norm)."""
         self._step.meta = meta
         self._step.kv_caches = kv_caches
+        self._step.attention_calls = 0
         try:
             embeds = self.model.embed_tokens(meta.input_ids).unsqueeze(0)
             with fallback_step():
@@ -318,6 +364,11 @@ class PaddleFormersForCausalLM(nn.Layer):
         finally:
             self._step.meta = None
             self._step.kv_caches = None
+        if self._step.attention_calls != self.num_layers:
+            raise UnsupportedArchitectureError(
+                f"{type(self.model).__name__} ran {self._step.attention_calls} of its {self.num_layers} attention "
+                "layers through the engine's paged attention; the others bypassed the KV cache"
+            )
         hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
         return hidden.reshape([-1, self.hidden_size])
 
@@ -402,7 +453,9 @@ class PaddleFormersForCausalLM(nn.Layer):
         if not head_loaded:
             missing.append("lm_head.weight")
         if missing:
-            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:5])}")
+            raise ModelLoadError(
+                f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:5])}"
+            )
         for layer in self.sublayers():
             method = getattr(layer, "quant_method", None)
             if isinstance(method, LinearMethodBase):

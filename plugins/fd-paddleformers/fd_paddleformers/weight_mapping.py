@@ -76,7 +76,7 @@ def parse_statement(statement: str) -> Rule:
     if unknown:
         raise UnsupportedMappingError(f"unsupported options {sorted(unknown)} in {statement!r}")
     transposed = [s.endswith("^T") for s in sources]
-    sources = [s[:-2] if s.endswith("^T") else s for s in sources]
+    sources = [s.removesuffix("^T") for s in sources]
     if any(not re.fullmatch(r"[A-Za-z_][\w.$]*", s) for s in sources):
         raise UnsupportedMappingError(f"unsupported source expression in {statement!r}")
     if len(dests) != 1:
@@ -93,7 +93,9 @@ def parse_statement(statement: str) -> Rule:
             # PaddleFormers passes the number of KV heads under the name num_key_value_groups
             rule.num_kv_heads = int(options["num_key_value_groups"])
         except (KeyError, ValueError):
-            raise UnsupportedMappingError(f"{kind} without integer num_heads/num_key_value_groups in {statement!r}") from None
+            raise UnsupportedMappingError(
+                f"{kind} without integer num_heads/num_key_value_groups in {statement!r}"
+            ) from None
         if rule.num_heads % rule.num_kv_heads:
             raise UnsupportedMappingError(f"num_heads not a multiple of the KV heads in {statement!r}")
     return rule

@@ -1,8 +1,9 @@
 """Build tiny random checkpoints with transformers and record its greedy tokens (run as a script).
 
-``python hf_reference.py OUT_DIR`` writes one HF directory per entry of :data:`CHECKPOINTS`
+``python hf_reference.py OUT_DIR [NAME ...]`` writes one HF directory per entry of :data:`CHECKPOINTS`
+(or the named ones)
 under ``OUT_DIR`` and ``OUT_DIR/reference.json`` with transformers' greedy tokens for
-:data:`PROMPTS`. It runs in its own process because importing PaddleFormers (as the fallback
+:data:`PROMPTS` (and its logits after :data:`LOGITS_PROMPT`). It runs in its own process because importing PaddleFormers (as the fallback
 does) hides torch from transformers in that process.
 """
 
@@ -12,7 +13,9 @@ import json
 import os
 import sys
 
-MAX_NEW = 12
+MAX_NEW = 32
+#: the prompt whose last-token logits are recorded (compared to 1e-4)
+LOGITS_PROMPT = 1
 PROMPTS = [
     [5, 9, 17, 33, 2, 7, 100, 64, 3],
     [5, 9, 17, 33, 2, 7, 100, 64, 3, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57],  # shares 9 tokens
@@ -33,26 +36,73 @@ COMMON = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
-#: name -> (transformers config class, model class, extra config); Llama has a native class,
-#: Phi3 and Ernie 4.5 have none, Mistral and Qwen2 are architectures PaddleFormers cannot build here
+ROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=1000.0))  # not any family's default
+#: name -> (transformers config class, model class, extra config). Llama, Qwen2/3(-MoE) and
+#: ERNIE-4.5 have native classes too; Phi3 has none; Mistral and (on PaddleFormers 1.x) the
+#: Qwen families are architectures PaddleFormers cannot build here. A non-default rope_theta
+#: and hidden dims that differ from each other catch config keys read from the wrong place.
 CHECKPOINTS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, **ROPE)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=None, tie_word_embeddings=False)),
-    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16, tie_word_embeddings=True, use_bias=False)),
+    "ernie4_5": (
+        "Ernie4_5Config",
+        "Ernie4_5ForCausalLM",
+        dict(head_dim=16, tie_word_embeddings=True, use_bias=False, **ROPE),
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False, **ROPE)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False, **ROPE)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+            **ROPE,
+        ),
+    ),
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        dict(
+            head_dim=16,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=32,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            moe_layer_end_index=1,
+            moe_layer_interval=1,
+            use_bias=False,
+            tie_word_embeddings=True,
+            **ROPE,
+        ),
+    ),
 }
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, names: list[str]) -> None:
     # PaddleFormers' dependency paddlecodec installs a module named torchcodec without its
     # package metadata, which transformers' audio utilities trip over; nothing here needs it.
     sys.modules.setdefault("torchcodec", None)
     import torch
     import transformers
 
-    reference = {"prompts": PROMPTS, "max_new": MAX_NEW, "tokens": {}, "paths": {}}
+    reference = {
+        "prompts": PROMPTS,
+        "max_new": MAX_NEW,
+        "logits_prompt": LOGITS_PROMPT,
+        "tokens": {},
+        "logits": {},
+        "paths": {},
+    }
     for name, (config_cls, model_cls, extra) in CHECKPOINTS.items():
+        if names and name not in names:
+            continue
         config = getattr(transformers, config_cls)(**COMMON, **extra)
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(config).eval()
@@ -65,11 +115,54 @@ def main(out_dir: str) -> None:
                     torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
                 )
                 runs.append(out[0, len(prompt) :].tolist())
+            logits = model(torch.tensor([PROMPTS[LOGITS_PROMPT]])).logits[0, -1]
         reference["tokens"][name] = runs
+        reference["logits"][name] = logits.tolist()
         reference["paths"][name] = path
     with open(os.path.join(out_dir, "reference.json"), "w") as f:
         json.dump(reference, f)
 
 
+#: the words of the chat checkpoint's tokenizer (ids 3..127 after [UNK], <|im_start|>, <|im_end|>)
+CHAT_WORDS = ["user", "assistant", "system", "Hello", "how", "are", "you", "?", "!", "."] + [
+    f"w{i}" for i in range(115)
+]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+
+def write_chat_checkpoint(path: str) -> None:
+    """A tiny random Qwen3 directory a chat request can run on: 32k positions, a word-level
+    tokenizer with ChatML special tokens, eos = ``<|im_end|>``."""
+    sys.modules.setdefault("torchcodec", None)
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = transformers.Qwen3Config(
+        **dict(COMMON, max_position_embeddings=32768, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        head_dim=32,
+        tie_word_embeddings=False,
+        **ROPE,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).eval().save_pretrained(path)
+    vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    vocab.update({word: 3 + i for i, word in enumerate(CHAT_WORDS)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "[UNK]", "chat_template": CHATML}, f
+        )
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--chat":
+        write_chat_checkpoint(sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2:])

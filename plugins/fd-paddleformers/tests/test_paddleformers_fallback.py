@@ -5,7 +5,9 @@ Tiny random checkpoints are built and saved by transformers in a subprocess
 in this process hides torch from transformers, so no reference is computed here.
 
 Run them with PaddleFormers installed (see the plugin's README for the install that keeps the
-core's pins); without it the module is skipped.
+core's pins); without it the module is skipped. Which families are served depends on the
+installed generation (:data:`SERVED`): 0.4 (the default install) builds the Qwen and ERNIE
+families, 1.x builds Llama, Phi3 and ERNIE-4.5 and needs ``paddlefleet`` for the Qwen families.
 """
 
 from __future__ import annotations
@@ -28,14 +30,36 @@ if _MISSING:
         allow_module_level=True,
     )
 
-from fastdeploy_core.config import EngineArgs  # noqa: E402
-from fastdeploy_core.engine.engine_core import EngineCore  # noqa: E402
-from fastdeploy_core.engine.outputs import EngineCoreRequest  # noqa: E402
-from fastdeploy_core.engine.sampling_params import SamplingParams  # noqa: E402
-from fastdeploy_core.errors import UnsupportedArchitectureError  # noqa: E402
-from fastdeploy_core.plugins import load_plugins  # noqa: E402
+from importlib import metadata
+
+from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.engine.engine_core import EngineCore
+from fastdeploy_core.engine.outputs import EngineCoreRequest
+from fastdeploy_core.engine.sampling_params import SamplingParams
+from fastdeploy_core.errors import UnsupportedArchitectureError
+from fastdeploy_core.plugins import load_plugins
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+PADDLEFORMERS_VERSION = metadata.version("paddleformers")
+GENERATION_04 = PADDLEFORMERS_VERSION.startswith("0.4")
+#: checkpoints (hf_reference.CHECKPOINTS) the installed generation serves token-identically to transformers
+SERVED = ["qwen3", "qwen2", "qwen3_moe", "ernie4_5", "ernie4_5_moe"] if GENERATION_04 else ["llama", "phi3", "ernie4_5"]
+MOE = [name for name in SERVED if name.endswith("_moe")]
+#: checkpoint -> why the installed generation cannot serve it (a part of the error message)
+REFUSED = (
+    {
+        "mistral": "has no implementation of MistralForCausalLM",
+        "phi3": "has no implementation of Phi3ForCausalLM",
+        # 0.4's Llama is old-style code that computes attention itself: it would bypass the KV cache
+        "llama": "computes attention itself",
+    }
+    if GENERATION_04
+    else {
+        "mistral": "has no implementation of MistralForCausalLM",
+        "qwen2": "paddlefleet",  # PaddleFormers 1.x's Qwen modules need paddlefleet (not on PyPI)
+        "qwen3": "paddlefleet",
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +67,13 @@ def ref(tmp_path_factory) -> dict:
     """Checkpoint paths and transformers' greedy tokens, from a clean subprocess."""
     out = tmp_path_factory.mktemp("pf_checkpoints")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    names = sorted(set(SERVED) | set(REFUSED))
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "hf_reference.py"), str(out)], capture_output=True, text=True, env=env
+        [sys.executable, os.path.join(HERE, "hf_reference.py"), str(out), *names],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "reference.json") as f:
@@ -84,6 +113,7 @@ def served_class(core: EngineCore) -> str:
     return type(core.runner.model).__name__
 
 
+@pytest.mark.skipif(GENERATION_04, reason="PaddleFormers 0.4's Llama computes attention itself (refused)")
 def test_llama_through_both_implementations_gives_identical_greedy_tokens(ref):
     path, prompts, max_new = ref["paths"]["llama"], ref["prompts"], ref["max_new"]
     native = make_core(path, model_impl="fastdeploy")
@@ -96,10 +126,15 @@ def test_llama_through_both_implementations_gives_identical_greedy_tokens(ref):
         assert got_fallback == got_native == ref["tokens"]["llama"][i], f"prompt {i}"
 
 
-@pytest.mark.parametrize("name", ["phi3", "ernie4_5"])
-def test_architecture_without_native_class_is_served_by_auto_like_transformers(ref, name):
-    core = make_core(ref["paths"][name])  # --model-impl auto (the default)
+@pytest.mark.parametrize("name", SERVED)
+def test_fallback_gives_transformers_greedy_tokens_and_logits(ref, name):
+    """Each prompt alone: 32 greedy tokens identical, last-prompt-token logits within 1e-4."""
+    import numpy as np
+
+    core = make_core(ref["paths"][name], model_impl="paddleformers")
     assert served_class(core) == "PaddleFormersForCausalLM"
+    logits = first_step_logits(core, ref["prompts"][ref["logits_prompt"]])
+    assert np.abs(logits - np.array(ref["logits"][name])).max() < 1e-4
     for i, prompt in enumerate(ref["prompts"]):
         got = tokens(run(core, [(f"r{i}", prompt)], ref["max_new"]), f"r{i}")
         assert got == ref["tokens"][name][i], f"{name} prompt {i}"
@@ -114,18 +149,18 @@ def test_architecture_without_native_class_is_served_by_auto_like_transformers(r
     ],
     ids=["batched", "chunked", "two_seqs_no_prefix_cache"],
 )
-@pytest.mark.parametrize("name", ["phi3", "ernie4_5"])
+@pytest.mark.parametrize("name", SERVED)
 def test_batching_and_chunked_prefill_give_the_tokens_of_alone(ref, name, settings):
-    core = make_core(ref["paths"][name], **settings)
+    core = make_core(ref["paths"][name], model_impl="paddleformers", **settings)
     prompts = ref["prompts"]
     outs = run(core, [(f"r{i}", p) for i, p in enumerate(prompts)], ref["max_new"])
     for i in range(len(prompts)):
         assert tokens(outs, f"r{i}") == ref["tokens"][name][i], f"{name} prompt {i}"
 
 
-@pytest.mark.parametrize("name", ["phi3", "ernie4_5"])
+@pytest.mark.parametrize("name", SERVED)
 def test_prefix_cache_hits_give_the_same_tokens(ref, name):
-    core = make_core(ref["paths"][name])
+    core = make_core(ref["paths"][name], model_impl="paddleformers")
     prompts, expected = ref["prompts"], ref["tokens"][name]
     first = run(core, [("a", prompts[1])], ref["max_new"])
     assert first["a"][0].num_cached_tokens == 0
@@ -135,29 +170,12 @@ def test_prefix_cache_hits_give_the_same_tokens(ref, name):
     assert again["c"][0].num_cached_tokens == 8  # the shared 9-token prefix: 2 full blocks
 
 
-def test_model_impl_fastdeploy_without_native_class_is_a_clear_error(ref):
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_architecture_the_fallback_cannot_serve_is_a_clear_error(ref, name):
     with pytest.raises(UnsupportedArchitectureError) as info:
-        make_core(ref["paths"]["phi3"], model_impl="fastdeploy")
+        make_core(ref["paths"][name], model_impl="paddleformers")
     message = str(info.value)
-    assert "no native implementation of 'Phi3ForCausalLM'" in message
-    assert "LlamaForCausalLM" in message  # the native architectures are listed
-    assert "--model-impl auto or paddleformers" in message
-
-
-@pytest.mark.parametrize(
-    "name, why, impl",
-    [
-        # Mistral is native (fd-llama) under auto; only the explicit fallback fails.
-        ("mistral", "PaddleFormers has no implementation of MistralForCausalLM", "paddleformers"),
-        ("qwen2", "paddlefleet", "paddleformers"),  # PaddleFormers' Qwen2 module needs paddlefleet (not on PyPI)
-        ("qwen2", "paddlefleet", "auto"),
-    ],
-)
-def test_architecture_paddleformers_cannot_build_is_a_clear_error(ref, name, why, impl):
-    with pytest.raises(UnsupportedArchitectureError) as info:
-        make_core(ref["paths"][name], model_impl=impl)
-    message = str(info.value)
-    assert "PaddleFormers fallback cannot serve" in message and why in message
+    assert "PaddleFormers fallback cannot serve" in message and REFUSED[name] in message
 
 
 def test_fallback_supports_reports_why(ref):
@@ -171,7 +189,7 @@ def test_fallback_supports_reports_why(ref):
     assert ok and "Ernie4_5Model" in why
     ok, why = PaddleFormersForCausalLM.supports(config("mistral"))
     assert not ok and "no implementation of MistralForCausalLM" in why
-    windowed = dict(config("phi3"), sliding_window=32)
+    windowed = dict(config(SERVED[0]), sliding_window=32, use_sliding_window=True)
     ok, why = PaddleFormersForCausalLM.supports(windowed)
     assert not ok and "sliding-window" in why
 
@@ -192,17 +210,18 @@ def test_plugin_manager_asks_the_fallback_whether_it_can_serve(ref):
         with open(os.path.join(ref["paths"][name], "config.json")) as f:
             return json.load(f)
 
-    _, impl, why = pm.model_provider("Ernie4_5ForCausalLM", "auto", config("ernie4_5"))
+    _, impl, why = pm.model_provider("Ernie4_5ForCausalLM", "paddleformers", config("ernie4_5"))
     assert impl == "paddleformers" and "Ernie4_5Model" in why
     with pytest.raises(UnsupportedArchitectureError) as info:
         pm.model_provider("MistralForCausalLM", "paddleformers", config("mistral"))
     message = str(info.value)
-    assert "no implementation of MistralForCausalLM" in message and "native architectures: LlamaForCausalLM" in message
+    assert "no implementation of MistralForCausalLM" in message and "LlamaForCausalLM" in message
     target, impl, _ = pm.model_provider("MistralForCausalLM", "auto", config("mistral"))
     assert impl == "fastdeploy" and target == "fd_llama.llama:LlamaForCausalLM"
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(GENERATION_04, reason="PaddleFormers 0.4's Llama computes attention itself (refused)")
 def test_default_model_through_both_implementations_gives_identical_greedy_tokens():
     """The embedded SmolLM2-135M-Instruct GGUF: 64 greedy tokens, native vs fallback."""
     from fastdeploy_core import LLM
@@ -212,7 +231,10 @@ def test_default_model_through_both_implementations_gives_identical_greedy_token
     results = {}
     for impl in ("fastdeploy", "paddleformers"):
         llm = LLM(model_impl=impl, max_model_len=512, num_gpu_blocks_override=16, max_num_seqs=4)
-        assert served_class(llm.engine.core) == {"fastdeploy": "LlamaForCausalLM", "paddleformers": "PaddleFormersForCausalLM"}[impl]
+        assert (
+            served_class(llm.engine.core)
+            == {"fastdeploy": "LlamaForCausalLM", "paddleformers": "PaddleFormersForCausalLM"}[impl]
+        )
         out = llm.chat(messages, params, use_tqdm=False)[0]
         results[impl] = (list(out.outputs[0].token_ids), out.outputs[0].text)
         del llm
@@ -244,21 +266,25 @@ def first_step_logits(core: EngineCore, prompt: list[int]):
     return runner.model.compute_logits(paddle.index_select(hidden, meta.logits_indices, axis=0)).numpy()[0]
 
 
-def test_fallback_linears_take_the_quantization_method(ref):
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"] if GENERATION_04 else ["llama"])
+def test_fallback_linears_take_the_quantization_method(ref, name):
     """wint8: PaddleFormers' linears (and the embedding) take int8 storage and compute like native wint8.
 
     Native and fallback wint8 agree to float rounding, far closer than either is to float32, and
-    give the same greedy tokens.
+    give the same greedy tokens (the MoE family's experts are the core MoE layer's int8 experts
+    in both).
     """
     import numpy as np
 
-    path, prompt = ref["paths"]["llama"], ref["prompts"][1]
+    path, prompt = ref["paths"][name], ref["prompts"][1]
     native = make_core(path, model_impl="fastdeploy", quantization="wint8")
     fallback = make_core(path, model_impl="paddleformers", quantization="wint8")
     model = fallback.runner.model
     linears = {name: layer for name, layer in model.named_sublayers() if name.endswith("_proj")}
-    # q, k, v, o and down, plus gate and up merged into PaddleFormers' fused up_gate_proj
-    assert len(linears) == 2 * 6 and "model.layers.1.mlp.up_gate_proj" in linears
+    if name.endswith("_moe"):  # q, k, v, o; the experts are the core MoE layer's
+        assert len(linears) == 2 * 4 and "model.layers.1.self_attn.q_proj" in linears
+    else:  # q, k, v, o and down, plus gate and up merged into PaddleFormers' fused up_gate_proj
+        assert len(linears) == 2 * 6 and "model.layers.1.mlp.up_gate_proj" in linears
     assert all(type(layer.quant_method).__name__ == "WeightOnlyInt8" for layer in linears.values())
     assert all(str(layer.weight.dtype) == "paddle.int8" for layer in linears.values())
     quantized = first_step_logits(fallback, prompt)
@@ -267,18 +293,22 @@ def test_fallback_linears_take_the_quantization_method(ref):
     assert gap_to_native < 1e-4 * np.abs(quantized).max()
     assert gap_to_float > 100 * gap_to_native
     assert type(model.model.embed_tokens.quant_method).__name__ == "Int8EmbeddingMethod"
+    moe = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert (
+        all(str(experts.w13_weight.dtype) == "paddle.int8" for experts in moe) and len(moe) == (name == "qwen3_moe") * 2
+    )
     for i, p in enumerate(ref["prompts"]):
         got_native = tokens(run(native, [("n", p)], ref["max_new"]), "n")
         assert tokens(run(fallback, [("f", p)], ref["max_new"]), "f") == got_native, f"prompt {i}"
 
 
+@pytest.mark.skipif(GENERATION_04, reason="0.4's rotary functions take [b, T, h, d]: none is the form replaced")
 def test_fast_rotary_only_replaces_the_rotate_half_form():
     """Llama's rotate_half RoPE gets the cheaper bit-identical form; Ernie 4.5's interleaved one does not."""
     import importlib
 
     import numpy as np
     import paddle
-
     from fd_paddleformers.architectures import import_paddleformers
     from fd_paddleformers.rotary import fallback_step, install_fast_rotary
 
@@ -302,6 +332,7 @@ def test_fast_rotary_only_replaces_the_rotate_half_form():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(GENERATION_04, reason="PaddleFormers 0.4's Llama computes attention itself (refused)")
 def test_default_model_wint4_from_gguf_blocks_same_through_both_implementations():
     """GGUF Q4_1 blocks reach the fallback's wint4 linears (gate/up shards included) as for native Llama."""
     from fastdeploy_core import LLM
@@ -312,8 +343,110 @@ def test_default_model_wint4_from_gguf_blocks_same_through_both_implementations(
     for impl in ("fastdeploy", "paddleformers"):
         llm = LLM(model_impl=impl, quantization="wint4", max_model_len=256, num_gpu_blocks_override=8, max_num_seqs=2)
         model = llm.engine.core.runner.model
-        methods = {type(layer.quant_method).__name__ for _, layer in model.named_sublayers() if hasattr(layer, "quant_method")}
+        methods = {
+            type(layer.quant_method).__name__ for _, layer in model.named_sublayers() if hasattr(layer, "quant_method")
+        }
         assert "WeightOnlyInt4" in methods
         results[impl] = list(llm.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids)
         del llm
     assert results["paddleformers"] == results["fastdeploy"]
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_families_run_on_the_core_moe_layer(ref, name):
+    """PaddleFormers' expert lists (a Python loop per expert, or fused ops without CPU kernels) are gone."""
+    from paddle import nn
+
+    from fastdeploy_core.layers.moe import SparseMoeBlock
+
+    model = make_core(ref["paths"][name], model_impl="paddleformers").runner.model
+    blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert blocks and all(block.experts.num_experts == 4 and block.top_k == 2 for block in blocks)
+    assert not [n for n, layer in model.named_sublayers() if n.endswith("experts") and isinstance(layer, nn.LayerList)]
+    if name == "ernie4_5_moe":  # shared experts kept (swapped to core linears), correction bias loaded
+        assert all(block.shared_experts is not None and block.e_score_correction_bias is not None for block in blocks)
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_every_layer_attends_through_the_paged_cache(ref, name):
+    """Never PaddleFormers' eager/sdpa kernels: 0.4's eager attention applies no causal mask in
+    ERNIE-4.5 and scales q twice in DeepSeek-V3 (both silently wrong, MEASURED.md)."""
+    from fd_paddleformers.attention import ATTENTION_IMPLEMENTATION, BINDING_ATTRIBUTE
+
+    core = make_core(ref["paths"][name], model_impl="paddleformers")
+    model = core.runner.model
+    assert model.pf_config._attn_implementation == ATTENTION_IMPLEMENTATION
+    assert all(getattr(layer.self_attn, BINDING_ATTRIBUTE, None) is not None for layer in model.model.layers)
+    run(core, [("a", ref["prompts"][1])], 2)
+    assert model._step.attention_calls == model.num_layers  # the last step: one call per layer
+
+
+@pytest.mark.skipif(not GENERATION_04, reason="the key placement PaddleFormers 0.4 reads")
+def test_rope_theta_nested_in_rope_parameters_reaches_paddleformers_04(ref, monkeypatch):
+    """transformers 5 writes rope_theta inside rope_parameters; 0.4 reads only the top level and
+    would silently use 10000. The checkpoints use 1000: without the adapter's lift the logits move."""
+    import numpy as np
+    from fd_paddleformers.generations import Generation, PaddleFormers04
+
+    path, prompt = ref["paths"]["qwen3"], ref["prompts"][ref["logits_prompt"]]
+    with open(os.path.join(path, "config.json")) as f:
+        assert "rope_theta" not in json.load(f)
+    want = np.array(ref["logits"]["qwen3"])
+    assert np.abs(first_step_logits(make_core(path, model_impl="paddleformers"), prompt) - want).max() < 1e-4
+    monkeypatch.setattr(PaddleFormers04, "prepare_config", Generation.prepare_config)
+    unlifted = first_step_logits(make_core(path, model_impl="paddleformers"), prompt)
+    assert np.abs(unlifted - want).max() > 1e-2
+
+
+@pytest.mark.skipif(not GENERATION_04, reason="the key PaddleFormers 0.4 reads")
+def test_num_local_experts_reaches_paddleformers_04_as_num_experts(ref):
+    """transformers 5 writes num_local_experts; 0.4 reads num_experts (default 60)."""
+    model = make_core(ref["paths"]["qwen3_moe"], model_impl="paddleformers").runner.model
+    assert model.pf_config.num_experts == 4
+
+
+def test_generation_adapters_lay_attention_out_as_tokens_heads_dim():
+    import numpy as np
+    import paddle
+    from fd_paddleformers.generations import PaddleFormers04, PaddleFormers1, generation_for
+
+    assert isinstance(generation_for("0.4.0"), PaddleFormers04) and isinstance(generation_for("1.2.0"), PaddleFormers1)
+    x = np.arange(5 * 3 * 4, dtype=np.float32).reshape(5, 3, 4)  # [T, h, d]
+    bthd = paddle.to_tensor(x[None])
+    bhtd = paddle.to_tensor(x.transpose(1, 0, 2)[None])
+    for generation, tensor in ((PaddleFormers04(), bthd), (PaddleFormers1(), bhtd)):
+        q, k, v = generation.attention_tokens(tensor, tensor, tensor)
+        assert all(np.array_equal(t.numpy(), x) for t in (q, k, v))
+    q, _, _ = PaddleFormers1().attention_tokens(bhtd[:, :, :1], bhtd[:, :, :1], bhtd[:, :, :1])  # one decode token
+    assert np.array_equal(q.numpy(), x[:1])
+
+
+def test_generation_04_reads_keys_where_transformers_5_writes_them():
+    from fd_paddleformers.generations import PaddleFormers04
+
+    values = PaddleFormers04().prepare_config(
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}, "num_local_experts": 8}
+    )
+    assert values["rope_theta"] == 1000.0 and values["num_experts"] == 8
+    kept = PaddleFormers04().prepare_config({"rope_theta": 5.0, "rope_parameters": {"rope_theta": 1000.0}})
+    assert kept["rope_theta"] == 5.0
+
+
+@pytest.mark.skipif(not GENERATION_04, reason="Qwen3 is built by PaddleFormers 0.4 only")
+def test_auto_picks_native_qwen3_and_plugins_command_says_why(ref):
+    """An architecture both native code (fd-qwen) and the fallback serve: auto is native."""
+    from typer.testing import CliRunner
+
+    from fastdeploy_core.cli.main import app
+
+    path = ref["paths"]["qwen3"]
+    assert served_class(make_core(path)) == "Qwen3ForCausalLM"
+    result = CliRunner().invoke(app, ["plugins", "--model", path, "--json"])
+    assert result.exit_code == 0, result.output
+    serving = json.loads(result.output)["model"]
+    assert serving["impl"] == "fastdeploy" and serving["target"] == "fd_qwen.qwen:Qwen3ForCausalLM"
+    assert serving["reason"] == "native implementation of Qwen3ForCausalLM"
+    result = CliRunner().invoke(app, ["plugins", "--model", path, "--model-impl", "paddleformers"])
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert "the paddleformers implementation" in first and "PaddleFormers Qwen3Model" in first
