@@ -64,6 +64,7 @@ def main() -> None:
     sys.path[:0] = [root, os.path.join(os.path.dirname(os.path.abspath(__file__)))]
 
     import numpy as np
+    from run_stamp import run_stamp
 
     from fastdeploy_core.builtin.cpu.kernels import load_kernels
     from fastdeploy_core.builtin.cpu.ops import CpuOps
@@ -72,7 +73,6 @@ def main() -> None:
     from fastdeploy_core.engine.engine_core import EngineCore
     from fastdeploy_core.engine.outputs import EngineCoreRequest
     from fastdeploy_core.engine.sampling_params import SamplingParams
-    from run_stamp import run_stamp
 
     assert load_kernels() is not None, "the cpu kernels must build for this benchmark"
     kernel_moe, kernel_prepare = CpuOps.fused_moe, CpuOps.prepare_expert_weight
