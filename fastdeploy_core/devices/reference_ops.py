@@ -179,6 +179,13 @@ class ReferenceOps:
         """
         return None
 
+    def prepare_expert_weight(self, weight: paddle.Tensor) -> paddle.Tensor | None:
+        """The layout this table's :meth:`fused_moe` reads fastest, for a layer's stacked float32
+        experts ``[E, in, out]`` (``w13`` or ``w2``), called once after loading. ``None`` (here)
+        keeps the layout; a returned tensor becomes the layer's weight, and
+        :meth:`unprepare_linear_weight` must give ``[E, in, out]`` back from it."""
+        return None
+
     def prepare_int4_weights(
         self, weight: paddle.Tensor, scale: paddle.Tensor, offset: paddle.Tensor
     ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor] | None:

@@ -25,6 +25,7 @@ from fastdeploy_core.layers.attention import Attention
 from fastdeploy_core.layers.embedding import LMHead, VocabEmbedding
 from fastdeploy_core.layers.kv_layout import KVCacheLayout
 from fastdeploy_core.layers.linear import Linear, LinearMethodBase, MergedColumnLinear, QKVLinear
+from fastdeploy_core.layers.moe import FusedMoE
 from fastdeploy_core.layers.norm import RMSNorm
 from fastdeploy_core.layers.rotary import get_rope, rope_settings
 
@@ -377,3 +378,5 @@ class DecoderForCausalLM(nn.Layer):
             method = getattr(layer, "quant_method", None)
             if isinstance(method, LinearMethodBase):
                 method.process_weights_after_loading(layer)
+            elif isinstance(layer, FusedMoE):
+                layer.process_weights_after_loading()

@@ -23,7 +23,7 @@ from paddle import nn
 from fastdeploy_core.devices.current import current_ops
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.layers.linear import Linear
-from fastdeploy_core.layers.weights import as_float32, new_parameter
+from fastdeploy_core.layers.weights import as_float32, new_parameter, replace_parameter
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -238,6 +238,16 @@ class FusedMoE(nn.Layer):
             param[expert, :, :inter] = value
         else:
             param[expert, :, inter:] = value
+
+    def process_weights_after_loading(self) -> None:
+        """Let the device store float32 experts in the layout its ``fused_moe`` reads fastest
+        (``prepare_expert_weight``; ``unprepare_linear_weight`` gives ``[E, in, out]`` back)."""
+        if self.quant_method is not None:
+            return
+        for name in ("w13_weight", "w2_weight"):
+            prepared = current_ops().prepare_expert_weight(getattr(self, name))
+            if prepared is not None:
+                replace_parameter(self, name, prepared)
 
     def forward(self, x: paddle.Tensor, weights: paddle.Tensor, ids: paddle.Tensor) -> paddle.Tensor:
         if self.quant_method is not None:

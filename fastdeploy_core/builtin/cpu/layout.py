@@ -4,8 +4,9 @@ A loaded linear weight (float32 ``[in, out]``, or a quantizer's int8 / int4 / fp
 ``[rows, out]``) is repacked as ``[out / 32, rows, 32]`` column tiles (:func:`pack_column_tiles`):
 each 32-column tile is one contiguous stream the hardware prefetcher follows, where the rows of
 a row-major ``[in, out]`` weight are 128-byte pieces ``4 * out`` bytes apart. int4 codes on a
-CPU with AVX-512 VNNI take :func:`pack_int4_vnni_tiles` instead. :func:`unpack_column_tiles`
-is the inverse of both: what :meth:`CpuOps.unprepare_linear_weight` hands the device-neutral
+CPU with AVX-512 VNNI take :func:`pack_int4_vnni_tiles` instead; the stacked float32 experts of
+a mixture-of-experts layer take one such layout per expert (:func:`pack_expert_tiles`).
+:func:`unpack_column_tiles` is the inverse of all three: what :meth:`CpuOps.unprepare_linear_weight` hands the device-neutral
 reference formulas of the quantizers.
 """
 
@@ -61,11 +62,25 @@ def unpack_int4_vnni_tiles(weight: paddle.Tensor) -> paddle.Tensor:
     return paddle.bitwise_or(even, paddle.bitwise_left_shift(odd, paddle.full([], 4, dtype="int32"))).astype("uint8")
 
 
+def pack_expert_tiles(weight: paddle.Tensor) -> paddle.Tensor:
+    """Stacked float32 experts ``[E, rows, N]`` -> ``[E, N / 32, rows, 32]``: each expert's weight
+    in :func:`pack_column_tiles`' layout (what ``fd_fused_moe`` reads with ``fd_f32_linear``'s loop)."""
+    experts, rows, cols = (int(n) for n in weight.shape)
+    return weight.reshape([experts, rows, cols // PACK_COLUMNS, PACK_COLUMNS]).transpose([0, 2, 1, 3]).contiguous()
+
+
+def unpack_expert_tiles(weight: paddle.Tensor) -> paddle.Tensor:
+    """Inverse of :func:`pack_expert_tiles`: ``[E, rows, N]``."""
+    experts, tiles, rows, cols = (int(n) for n in weight.shape)
+    return weight.transpose([0, 2, 1, 3]).reshape([experts, rows, tiles * cols])
+
+
 def unpack_column_tiles(weight: paddle.Tensor) -> paddle.Tensor:
-    """The ``[rows, N]`` storage of a weight, whether packed by :func:`pack_column_tiles`,
-    by :func:`pack_int4_vnni_tiles` (rank 4) or not packed."""
+    """The plain storage of a weight: ``[rows, N]`` whether packed by :func:`pack_column_tiles`,
+    by :func:`pack_int4_vnni_tiles` (uint8, rank 4) or not packed; ``[E, rows, N]`` for float32
+    experts packed by :func:`pack_expert_tiles` (rank 4)."""
     if weight.ndim == 4:
-        return unpack_int4_vnni_tiles(weight)
+        return unpack_expert_tiles(weight) if weight.dtype == paddle.float32 else unpack_int4_vnni_tiles(weight)
     if weight.ndim != 3:
         return weight
     tiles, rows, cols = (int(n) for n in weight.shape)

@@ -20,6 +20,7 @@ from fastdeploy_core.builtin.cpu.layout import (
     PACK_COLUMNS,
     VNNI_CHUNK,
     pack_column_tiles,
+    pack_expert_tiles,
     pack_int4_vnni_tiles,
     unpack_column_tiles,
 )
@@ -294,3 +295,38 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             scale,
             int(sliding_window or 0),
         )[0]
+
+    def prepare_expert_weight(self, weight: paddle.Tensor) -> paddle.Tensor | None:
+        """Stacked float32 experts ``[E, rows, N]`` as ``[E, N / 32, rows, 32]`` (each expert's
+        weight in :meth:`prepare_linear_weight`'s column tiles, :func:`pack_expert_tiles`) for
+        ``fd_fused_moe``; ``None`` (plain, which the kernel also reads) when ``N % 32`` is not 0
+        or without the kernels. :meth:`unprepare_linear_weight` gives ``[E, rows, N]`` back."""
+        if (
+            weight.ndim != 3
+            or weight.dtype != paddle.float32
+            or weight.shape[2] % PACK_COLUMNS != 0
+            or not (self._have_kernels or self._ready())
+        ):
+            return None
+        return pack_expert_tiles(weight)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids) -> paddle.Tensor:
+        """``fd_fused_moe`` (``csrc/moe.cc``): the (token, choice) rows grouped by expert in C++ and
+        each used expert's rows multiplied at once with ``fd_f32_linear``'s tile loop, one op per
+        layer instead of ~4 Paddle ops per used expert plus a host-side count. Takes the weights
+        plain or as :meth:`prepare_expert_weight` left them; see :meth:`ReferenceOps.fused_moe`."""
+        if (
+            not (self._have_kernels or self._ready())
+            or x.dtype != paddle.float32
+            or x.ndim != 2
+            or w13.dtype != paddle.float32
+            or w2.dtype != paddle.float32
+        ):
+            if w13.ndim == 4 or w2.ndim == 4:
+                w13, w2 = self.unprepare_linear_weight(w13), self.unprepare_linear_weight(w2)
+            return ReferenceOps.fused_moe(self, x, w13, w2, topk_weights, topk_ids)
+        if topk_weights.dtype != paddle.float32:
+            topk_weights = topk_weights.astype("float32")
+        if topk_ids.dtype != paddle.int64:
+            topk_ids = topk_ids.astype("int64")
+        return _run("fd_fused_moe", x, w13, w2, topk_weights, topk_ids)[0]
