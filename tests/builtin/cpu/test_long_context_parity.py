@@ -60,7 +60,7 @@ def _engine_tokens(path: str, prompts: list[list[int]], **settings) -> dict[int,
     from fastdeploy_core.engine.outputs import EngineCoreRequest
     from fastdeploy_core.engine.sampling_params import SamplingParams
 
-    args = {"model": path, "max_model_len": 4096, "block_size": 16, "num_gpu_blocks_override": 200}
+    args = {"model": path, "max_model_len": 4096, "block_size": 16, "num_gpu_blocks_override": 320}
     engine = EngineCore(EngineArgs.create(**{**args, **settings}))
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
