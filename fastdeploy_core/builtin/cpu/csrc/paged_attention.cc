@@ -13,10 +13,13 @@
 //   for any mix of decode and prefill rows: token i of sequence b (query rows
 //   [query_start[b], query_start[b + 1])) sits at position seq_lens[b] - q_len + i and sees the
 //   keys at positions 0 .. that position (with sliding_window w > 0 only the last w of them,
-//   itself included: keys p > position - w, as HF's Mistral), read block by block through block_tables. Grouped
-//   query heads that share a KV head are computed together, so each key and value row is
-//   loaded once per group. Softmax in float32 with the maximum subtracted. One work item is
-//   (query token, KV head); the pool's threads claim items.
+//   itself included: keys p > position - w, as HF's Mistral), read block by block through
+//   block_tables. Tiled (see "tiled attention" below): a work item is a block of query tokens of
+//   one sequence with every query head of one KV head, walking its keys in 64-key tiles with an
+//   online softmax, so scores never leave the cache and each key/value row is read once per
+//   item; causal tiles past the item are skipped; a step with too few items for the threads
+//   (a few long decodes) splits each item's keys and combines the partial softmax results.
+//   Softmax in float32 with the running maximum subtracted.
 //
 // The caches are [num_blocks, block_size, kvh, d] float32 and are written in place: they are
 // the engine's long-lived KV buffers, not values of a graph (the ops run eagerly on the cpu).
@@ -195,6 +198,16 @@ inline f32x16 sum16(const f32x16* v) {
 #endif
 }
 
+// x in every lane. (f32x16{} + x would cost an add per use: x + 0 is not x for x = -0, so the
+// compiler keeps it, on the same ports as the FMAs of the loops below.)
+inline f32x16 splat(float x) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_set1_ps(x);
+#else
+  return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#endif
+}
+
 // Keys per tile.
 constexpr int64_t kKeyTile = 64;
 // Query rows (tokens x query heads of one kv head) per work item, at most.
@@ -243,7 +256,7 @@ void scores_wide_pass(const float* qt, int64_t mp, int64_t rv0, const float* k, 
       f32x16 qv[NV];
       for (int n = 0; n < NV; ++n) qv[n] = load16(qt + c * mp + (rv0 + n) * 16);
       for (int jj = 0; jj < 4; ++jj) {
-        const f32x16 b = f32x16{} + kr[jj][c];
+        const f32x16 b = splat(kr[jj][c]);
         for (int n = 0; n < NV; ++n) acc[jj][n] += b * qv[n];
       }
     }
@@ -317,7 +330,7 @@ void pv_rows(const float* p, int64_t mp, int64_t r0, const float* v, const int64
     f32x16 vv[D16];
     for (int c = 0; c < D16; ++c) vv[c] = load16(row + 16 * c);
     for (int rr = 0; rr < R; ++rr) {
-      const f32x16 w = f32x16{} + p[j * mp + r0 + rr];
+      const f32x16 w = splat(p[j * mp + r0 + rr]);
       for (int c = 0; c < D16; ++c) acc[rr][c] += w * vv[c];
     }
   }
