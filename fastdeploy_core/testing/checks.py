@@ -518,9 +518,10 @@ def check_mla_paged_attention(target: Target, scenario: str, backend: str, dtype
     ``scenario`` (the window, if any, does not apply: latent attention has none). Also holds the
     reference to its own contract: its absorbed form equals its expanded form within 1e-5."""
     rng = np.random.default_rng(seed + 2)
-    heads, rank, nope, rope, v_dim, bs, nb = 4, 24, 16, 8, 12, 4, 64
-    pool = BlockPool(nb, seed=seed)
+    heads, rank, nope, rope, v_dim, bs = 4, 24, 16, 8, 12, 4
     specs = ATTENTION_SCENARIOS[scenario]
+    nb, _ = _attention_geometry(specs, bs, 64)
+    pool = BlockPool(nb, seed=seed)
     chunks = [(list(range(q)), ctx, pool.take(blocks_for(q + ctx, bs))) for q, ctx in specs]
     cache = rng.standard_normal((nb, bs, 1, rank + rope)).astype(np.float32)  # stands in for earlier steps
     total = sum(q for q, _ in specs)
