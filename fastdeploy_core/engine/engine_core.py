@@ -47,7 +47,7 @@ from fastdeploy_core.engine.block_manager import BlockManager
 from fastdeploy_core.engine.outputs import EngineCoreOutput, EngineCoreRequest, choice_request_id
 from fastdeploy_core.engine.request import Request, RequestStatus
 from fastdeploy_core.engine.sampling_params import SamplingParams
-from fastdeploy_core.engine.scheduler import Scheduler
+from fastdeploy_core.engine.scheduler import Scheduler, chunk_cost
 from fastdeploy_core.errors import ConfigError, ContextLengthExceededError, InvalidRequestError
 from fastdeploy_core.scheduler.base import Capacity
 
@@ -95,6 +95,8 @@ PROMPT_STEP_TARGET_ENV = "FD_PROMPT_STEP_TARGET_MS"
 #: measured: on the cpu device, prompt steps of 64-256 tokens cost up to twice the time per token
 #: of larger ones (their GEMMs ran on one of the 2 cores), so smaller steps lose throughput.
 PROMPT_STEP_MIN_TOKENS = 256
+#: The share of ``min_tokens`` a prompt step must reach to be measured (see ``PromptStepSizer.observe``).
+MEASURED_SHARE = 0.9
 
 
 class PromptStepSizer:
@@ -150,14 +152,43 @@ class PromptStepSizer:
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
 
-    def observe(self, prompt_tokens: int, total_tokens: int, seconds: float) -> None:
-        """One step that computed ``prompt_tokens`` prompt tokens (``total_tokens`` in all) in ``seconds``."""
+    def observe(self, prompt_tokens: float, total_tokens: float, seconds: float) -> None:
+        """One step that computed ``prompt_tokens`` prompt tokens (``total_tokens`` in all) in
+        ``seconds``; or both as costs in the scheduler's ``chunk_cost`` units, which the cap is
+        then counted in. A prompt step is measured from ``MEASURED_SHARE`` of ``min_tokens``: a
+        step capped at ``min_tokens`` units falls short of it by less than one token's cost."""
         if total_tokens <= 0 or seconds <= 0:
             return
         if prompt_tokens == 0:
             self.decode_seconds = self._average(self.decode_seconds, seconds)
-        elif prompt_tokens >= self.min_tokens:
+        elif prompt_tokens >= MEASURED_SHARE * self.min_tokens:
             self.seconds_per_token = self._average(self.seconds_per_token, seconds / total_tokens)
+
+
+def attention_key_weight(hf_config: dict) -> float:
+    """What one query token attending to one key costs, in units of one token's other work:
+    the attention FLOPs of a (query, key) pair (4 * heads * head_dim per layer: scores and
+    weighted values) over a token's linear-layer FLOPs (2 per weight of the projections, the
+    MLP of its active experts, and the LM head). 0 when the config lacks the sizes.
+
+    The scheduler's prompt cap counts chunks in these units (``Scheduler.attention_key_weight``):
+    SmolLM2-135M's weight is ~2.6e-4, so a prompt token at 8,000 tokens of context costs ~3
+    tokens at its start, and chunks beside running decodes shrink accordingly.
+    """
+    try:
+        hidden = int(hf_config["hidden_size"])
+        layers = int(hf_config["num_hidden_layers"])
+        heads = int(hf_config["num_attention_heads"])
+        kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+        head_dim = int(hf_config.get("head_dim") or hidden // heads)
+        experts = int(hf_config.get("num_experts_per_tok") or 1)
+        ffn = int(hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]) * experts
+        vocab = int(hf_config.get("vocab_size") or 0)
+    except (KeyError, TypeError, ValueError):
+        return 0.0
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * ffn
+    linear_flops = 2 * (layers * per_layer + hidden * vocab)
+    return 4 * heads * head_dim * layers / linear_flops if linear_flops > 0 else 0.0
 
 
 def mixes_prefill_and_decode(ops) -> bool:
@@ -204,6 +235,7 @@ class EngineCore:
         )
         if self.prompt_sizer is not None:
             self.scheduler.prompt_token_cap = self.prompt_sizer.cap
+            self.scheduler.attention_key_weight = attention_key_weight(self.model_source.hf_config)
         self.eos_token_ids = self._model_eos_ids()
         from fastdeploy_core.spec_decode import build_proposer
 
@@ -352,8 +384,10 @@ class EngineCore:
         masks = guided_steps.bitmasks(self.guided, batch) if self.guided is not None else None
         result = self.runner.execute_model(batch.runner_input(masks))
         if self.prompt_sizer is not None:
-            prompt_tokens = sum(n for _, n in batch.scheduled if n > 1)
-            self.prompt_sizer.observe(prompt_tokens, batch.num_scheduled_tokens, time.perf_counter() - started)
+            # Both in the cap's units (chunk cost): a step the cap filled counts as measured.
+            weight = self.scheduler.attention_key_weight
+            prompt_cost = sum(chunk_cost(req.num_computed_tokens, n, weight) for req, n in batch.scheduled if n > 1)
+            self.prompt_sizer.observe(prompt_cost, batch.cost(weight), time.perf_counter() - started)
             self.scheduler.prompt_token_cap = self.prompt_sizer.cap
         for (req, _), entries in zip(batch.scheduled, result.prompt_logprobs):
             if entries is not None:

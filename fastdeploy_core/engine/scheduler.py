@@ -24,6 +24,13 @@ computed a few at a time: the first ones start decoding (and answering) while th
 instead of all waiting for one long step. The first prompt of a step that cannot be chunked
 (``enable_chunked_prefill=False``) is taken whole.
 
+The cap counts cost, not tokens, once ``attention_key_weight`` is set (the engine core sets it
+from the model's shape): a chunk of ``n`` prompt tokens after ``c`` computed ones costs
+``n + w * (n * c + n * (n + 1) / 2)`` (:func:`chunk_cost`), its tokens' own work plus the keys
+each one attends to, weighed against a token's other work. Deep into a long prompt every token
+attends to thousands of keys, so the chunks beside running decodes shrink as the context grows
+and the decodes' step time stays near the cap's target instead of growing with the prompt.
+
 Policies: ``fcfs`` (arrival order) and ``priority`` (lower ``priority`` value first, then
 arrival). :meth:`Scheduler.update` takes the sampled tokens back (``sampled_token_ids`` of
 the runner's :class:`~fastdeploy_core.executor.step_io.RunnerOutput`; the engine core keeps the
@@ -74,6 +81,32 @@ def speculates(req: Request) -> bool:
     )
 
 
+def chunk_cost(computed: int, n: int, attention_key_weight: float) -> float:
+    """The cost of computing ``n`` tokens of a sequence after ``computed`` ones, in prompt-token
+    units: each token's own work (1) plus ``attention_key_weight`` per key it attends to
+    (itself and every token before it)."""
+    return n + attention_key_weight * (n * computed + n * (n + 1) / 2)
+
+
+def tokens_within(computed: int, wanted: int, cost: float, attention_key_weight: float) -> int:
+    """The most tokens (at most ``wanted``) after ``computed`` ones whose :func:`chunk_cost` fits ``cost``."""
+    if cost <= 0 or wanted <= 0:
+        return 0
+    w = attention_key_weight
+    if chunk_cost(computed, wanted, w) <= cost:  # also an unbounded cost
+        return wanted
+    if w <= 0:
+        return int(cost)
+    # w/2 n^2 + (1 + w (computed + 1/2)) n <= cost, solved for n, then corrected for rounding.
+    b = 1 + w * (computed + 0.5)
+    n = min(wanted, int((-b + (b * b + 2 * w * cost) ** 0.5) / w))
+    while n < wanted and chunk_cost(computed, n + 1, w) <= cost:
+        n += 1
+    while n > 0 and chunk_cost(computed, n, w) > cost:
+        n -= 1
+    return n
+
+
 @dataclass
 class ScheduledBatch:
     """One step as the scheduler decided it: ``scheduled[i] = (request, num_new_tokens)`` in
@@ -89,6 +122,11 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def cost(self, attention_key_weight: float) -> float:
+        """The step's work in :func:`chunk_cost` units, decodes included (read before
+        :meth:`Scheduler.update` advances the requests)."""
+        return sum(chunk_cost(req.num_computed_tokens, n, attention_key_weight) for req, n in self.scheduled)
 
     def samples(self, index: int) -> bool:
         """Whether request ``index`` reaches its last token this step (so a token is sampled)."""
@@ -149,6 +187,9 @@ class Scheduler:
         #: prefill/decode block split). 1.0: prompts may take every free block.
         self.prompt_block_share = prompt_block_share
         self.prompt_token_cap: int | None = None
+        #: The cost of one query token attending to one key, in units of a prompt token's other
+        #: work (see :func:`chunk_cost`); 0 counts the cap in tokens.
+        self.attention_key_weight: float = 0.0
         self.last_step_kind: str | None = None  # "prefill" / "decode" / "mixed" (the last non-empty step)
         self.waiting: list[Request] = []  # sorted by policy key
         self.running: list[Request] = []
@@ -212,18 +253,21 @@ class Scheduler:
         waiting requests)."""
         budget = self.max_num_batched_tokens
         bm = self.block_manager
-        prompt_budget = budget
+        weight = self.attention_key_weight
+        prompt_budget = float("inf")  # in chunk_cost units
         if self.prompt_token_cap is not None and len(self.running) + len(self.waiting) > 1:
             prompt_budget = max(1, self.prompt_token_cap)
         first_prompt = True
 
-        def prompt_tokens(wanted: int) -> int:
-            """How many of ``wanted`` prompt tokens fit this step (0: none; a whole unchunkable
-            prompt beyond the cap only as the step's first prompt)."""
+        def prompt_tokens(computed: int, wanted: int) -> int:
+            """How many of ``wanted`` prompt tokens after ``computed`` fit this step (0: none; a
+            whole unchunkable prompt beyond the cap only as the step's first prompt, and at
+            least one token of the step's first prompt however deep its context)."""
             n = min(wanted, budget)
             if first_prompt and not self.enable_chunked_prefill:
                 return n
-            return max(0, min(n, prompt_budget))
+            fits = tokens_within(computed, n, prompt_budget, weight)
+            return max(fits, 1) if first_prompt and n > 0 else fits
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -232,7 +276,7 @@ class Scheduler:
             if kind != "mixed" and decoding != (kind == "decode"):
                 i += 1
                 continue
-            num_new = 1 if decoding else prompt_tokens(req.num_uncomputed_tokens)
+            num_new = 1 if decoding else prompt_tokens(req.num_computed_tokens, req.num_uncomputed_tokens)
             if num_new == 0 or (num_new < req.num_uncomputed_tokens and not self.enable_chunked_prefill):
                 i += 1
                 continue
@@ -249,7 +293,7 @@ class Scheduler:
             out.scheduled.append((req, num_new))
             budget -= num_new
             if not decoding:
-                prompt_budget -= num_new
+                prompt_budget -= chunk_cost(req.num_computed_tokens, num_new, weight)
                 first_prompt = False
             i += 1
 
@@ -262,8 +306,8 @@ class Scheduler:
                 cached = bm.find_cached_blocks(req)
                 num_computed = len(cached) * bm.block_size
                 wanted = req.num_tokens - num_computed
-                num_new = prompt_tokens(wanted)
-                if num_new < wanted and not self.enable_chunked_prefill:
+                num_new = prompt_tokens(num_computed, wanted)
+                if num_new == 0 or (num_new < wanted and not self.enable_chunked_prefill):
                     break
                 if self.running and not self._within_prompt_share(req, num_computed + num_new, cached):
                     break
@@ -279,7 +323,7 @@ class Scheduler:
                 self.running.append(req)
                 out.scheduled.append((req, num_new))
                 budget -= num_new
-                prompt_budget -= num_new
+                prompt_budget -= chunk_cost(num_computed, num_new, weight)
                 first_prompt = False
 
     # ---- speculative decoding --------------------------------------------------------------

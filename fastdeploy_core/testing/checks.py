@@ -427,17 +427,28 @@ ATTENTION_SCENARIOS: dict[str, list[tuple[int, int]]] = {
     "prefix_cached_chunked": [(5, 8), (1, 17), (8, 0), (3, 4)],
     "long_prefill_with_decodes": [(1, 14), (37, 6), (1, 2)],
     "sliding_window": [(1, 14), (9, 3), (20, 0), (1, 2)],
+    # thousands of keys: a long decode (kernels may split its keys over threads), a prompt
+    # chunk deep into its context, a short decode beside them
+    "long_context": [(1, 3000), (150, 2000), (1, 40)],
+    "long_sliding_window": [(1, 2600), (90, 1500)],
 }
 #: scenario -> ``sliding_window`` passed to the attention ops (Mistral v0.1 style)
-ATTENTION_WINDOWS: dict[str, int] = {"sliding_window": 5}
+ATTENTION_WINDOWS: dict[str, int] = {"sliding_window": 5, "long_sliding_window": 700}
+
+
+def _attention_geometry(specs: list[tuple[int, int]], bs: int, min_blocks: int) -> tuple[int, int]:
+    """(cache blocks, rotary positions) a scenario needs, at least ``min_blocks`` blocks."""
+    blocks = sum(blocks_for(q + ctx, bs) for q, ctx in specs)
+    return max(min_blocks, blocks + 4), max(q + ctx for q, ctx in specs)
 
 
 def check_paged_attention(target: Target, scenario: str, backend: str, dtype: str, seed: int = 0) -> None:
     """Write this step's K/V then attend, for every sequence shape of ``scenario``, vs the reference."""
     rng = np.random.default_rng(seed)
-    heads, kv_heads, d, bs, nb = 4, 2, 16, 4, 48
-    pool = BlockPool(nb, seed=seed)
+    heads, kv_heads, d, bs = 4, 2, 16, 4
     specs = ATTENTION_SCENARIOS[scenario]
+    nb, _ = _attention_geometry(specs, bs, 48)
+    pool = BlockPool(nb, seed=seed)
     chunks = [(list(range(q)), ctx, pool.take(blocks_for(q + ctx, bs))) for q, ctx in specs]
     k_cache = rng.standard_normal((nb, bs, kv_heads, d)).astype(np.float32)  # stands in for earlier steps
     v_cache = rng.standard_normal((nb, bs, kv_heads, d)).astype(np.float32)
@@ -468,15 +479,16 @@ def check_rope_paged_attention(target: Target, scenario: str, backend: str, dtyp
     """The fused attention block (rotary, KV write, attention from a QKV projection) vs the
     reference's three ops: the output and both caches afterwards."""
     rng = np.random.default_rng(seed + 1)
-    heads, kv_heads, d, bs, nb = 6, 2, 16, 4, 64
-    pool = BlockPool(nb, seed=seed)
+    heads, kv_heads, d, bs = 6, 2, 16, 4
     specs = ATTENTION_SCENARIOS[scenario]
+    nb, positions = _attention_geometry(specs, bs, 64)
+    pool = BlockPool(nb, seed=seed)
     chunks = [(list(range(q)), ctx, pool.take(blocks_for(q + ctx, bs))) for q, ctx in specs]
     k_cache = rng.standard_normal((nb, bs, kv_heads, d)).astype(np.float32)
     v_cache = rng.standard_normal((nb, bs, kv_heads, d)).astype(np.float32)
     total = sum(q for q, _ in specs)
     qkv = rng.standard_normal((total, (heads + 2 * kv_heads) * d)).astype(np.float32)
-    table = cos_sin_cache(d, 128).astype(np.float32)
+    table = cos_sin_cache(d, max(128, positions)).astype(np.float32)
     scale = d**-0.5
     args = (heads, kv_heads, scale, ATTENTION_WINDOWS.get(scenario))
 
@@ -506,9 +518,10 @@ def check_mla_paged_attention(target: Target, scenario: str, backend: str, dtype
     ``scenario`` (the window, if any, does not apply: latent attention has none). Also holds the
     reference to its own contract: its absorbed form equals its expanded form within 1e-5."""
     rng = np.random.default_rng(seed + 2)
-    heads, rank, nope, rope, v_dim, bs, nb = 4, 24, 16, 8, 12, 4, 64
-    pool = BlockPool(nb, seed=seed)
+    heads, rank, nope, rope, v_dim, bs = 4, 24, 16, 8, 12, 4
     specs = ATTENTION_SCENARIOS[scenario]
+    nb, _ = _attention_geometry(specs, bs, 64)
+    pool = BlockPool(nb, seed=seed)
     chunks = [(list(range(q)), ctx, pool.take(blocks_for(q + ctx, bs))) for q, ctx in specs]
     cache = rng.standard_normal((nb, bs, 1, rank + rope)).astype(np.float32)  # stands in for earlier steps
     total = sum(q for q, _ in specs)

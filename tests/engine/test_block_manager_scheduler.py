@@ -400,3 +400,90 @@ def test_prompt_block_share_keeps_blocks_for_running_requests():
         assert not sched.has_unfinished_requests()
         assert first.num_output_tokens == second.num_output_tokens == 2
         assert bm.num_free_blocks == 10
+
+
+def test_chunk_cost_and_tokens_within_count_attended_keys():
+    from fastdeploy_core.engine.scheduler import chunk_cost, tokens_within
+
+    assert chunk_cost(0, 4, 0.0) == 4
+    assert chunk_cost(10, 4, 0.5) == 4 + 0.5 * (4 * 10 + 10)  # keys 11, 12, 13, 14 for the four tokens
+    assert tokens_within(0, 10**6, 1000, 1e-3) == 731  # 731 + 1e-3 * 731 * 732 / 2 = 998.6; 732 tokens: 1000.6
+    assert tokens_within(0, 10**6, 1000, 0.0) == 1000
+    assert tokens_within(0, 300, 1000, 1e-3) == 300  # everything wanted fits
+    assert tokens_within(0, 10**6, float("inf"), 1e-3) == 10**6
+    assert tokens_within(7000, 10**6, 1000, 1e-3) == 124  # each token attends to ~7,100 keys: ~8.1 units
+    for computed in (0, 5, 999, 12345):
+        for cost in (0.5, 1, 17.25, 999):
+            n = tokens_within(computed, 10**6, cost, 3e-4)
+            assert chunk_cost(computed, n, 3e-4) <= cost < chunk_cost(computed, n + 1, 3e-4)
+
+
+def test_prompt_cap_in_cost_units_shrinks_chunks_as_the_context_grows():
+    """A long prompt beside a running decode: with the attention weight the prompt part of each
+    step stays within the cap's cost (so the decode's step time stays bounded) and the chunks
+    shrink as the keys each token attends to grow; without it every chunk is cap tokens."""
+    from fastdeploy_core.engine.scheduler import chunk_cost
+
+    def chunks(weight: float) -> list[tuple[int, int]]:
+        sched = Scheduler(BlockManager(1024, 16), 8, 4096)
+        sched.add_request(make_request("d", [1, 2, 3], 100))
+        _step(sched)  # d's prompt: d decodes from now on
+        sched.prompt_token_cap = 1000
+        sched.attention_key_weight = weight
+        sched.add_request(make_request("p", [(7 * j) % 50 + 3 for j in range(6000)], 2))
+        seen = []
+        while True:
+            out = sched.schedule()
+            assert [r.request_id for r, _ in out.scheduled] == ["d", "p"]
+            p, n = out.scheduled[1]
+            seen.append((p.num_computed_tokens, n))
+            last = out.samples(1)
+            sched.update(out, [5 if out.samples(i) else None for i in range(2)])
+            if last:
+                return seen
+
+    flat = chunks(0.0)
+    assert [n for _, n in flat] == [1000] * 6
+    weighted = chunks(1e-3)
+    assert sum(n for _, n in weighted) == 6000
+    sizes = [n for _, n in weighted]
+    assert sizes[0] == 731 and sizes == sorted(sizes, reverse=True) and sizes[-2] < 200
+    for computed, n in weighted[:-1]:  # each chunk the largest that fits the cap
+        assert chunk_cost(computed, n, 1e-3) <= 1000 < chunk_cost(computed, n + 1, 1e-3)
+
+
+def test_first_prompt_of_a_step_gets_a_token_however_deep_its_context():
+    sched = Scheduler(BlockManager(1024, 16), 8, 4096)
+    sched.add_request(make_request("d", [1, 2, 3], 100))
+    _step(sched)
+    sched.prompt_token_cap = 1
+    sched.attention_key_weight = 1.0  # one token at any context costs more than the cap
+    sched.add_request(make_request("p", [4] * 40, 2))
+    assert _step(sched) == [("d", 1), ("p", 1)]
+    assert _step(sched) == [("d", 1), ("p", 1)]
+
+
+def test_step_cost_counts_decodes_at_their_context():
+    sched = Scheduler(BlockManager(64, 4), 8, 64)
+    sched.add_request(make_request("a", [1, 2, 3, 4], 10))
+    out = sched.schedule()
+    assert out.cost(0.0) == 4 and out.cost(0.5) == 4 + 0.5 * 10
+    sched.update(out, [5])
+    out = sched.schedule()  # a decodes: 1 token over 5 keys
+    assert out.cost(0.5) == 1 + 0.5 * 5
+
+
+def test_attention_key_weight_from_the_model_shape():
+    from fastdeploy_core.engine.engine_core import attention_key_weight
+
+    smollm2 = {
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+    }
+    # 4 * 9 * 64 * 30 FLOPs per (query, key) over 2 * (30 * (576 * 64 * 24 + 3 * 576 * 1536) + 576 * 49152)
+    assert attention_key_weight(smollm2) == pytest.approx(69120 / 268_959_744)
+    assert attention_key_weight({"hidden_size": 576}) == 0.0

@@ -267,9 +267,11 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         sliding_window: int | None = None,
     ) -> paddle.Tensor:
         """``fd_rope_paged_attention`` (``fd_rope_write_kv`` then ``fd_paged_attention``): 1 op per
-        layer instead of ~20, ragged (no padding of a step's sequences to its longest query run).
-        A 512-token prompt's attention takes ~4.3 ms per layer against ~13 ms for the reference's
-        padded matmuls."""
+        layer instead of ~20, ragged (no padding of a step's sequences to its longest query run),
+        tiled with an online softmax so its cost stays proportional to the (query, key) pairs at
+        any context: at SmolLM2's shape one layer of a whole 8,000-token prompt takes ~1.1 s of
+        CPU where the untiled kernel took ~9.3 s, a 512-token prompt ~6.6 ms (was ~10); see
+        ``benchmarks/long_context.md``."""
         if (
             not (self._have_kernels or self._ready())
             or not isinstance(k_cache, paddle.Tensor)

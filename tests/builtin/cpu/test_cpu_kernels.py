@@ -78,15 +78,23 @@ def test_kernels_match_the_reference_ops(specs, window, cpu_kernels):
 
 @pytest.mark.parametrize(
     "specs",
-    [[(1, 1500)], [(2, 700)], [(1, 30)], [(6, 200), (1, 9)]],
-    ids=["one_long_decode_split_by_head", "two_long_decodes_split", "one_short_decode_inline", "rows_per_token"],
+    [[(1, 1500)], [(2, 700)], [(1, 30)], [(6, 200), (1, 9)], [(1, 3500)], [(100, 2600), (1, 900), (40, 0)]],
+    ids=[
+        "one_long_decode_split",
+        "two_long_decodes_split",
+        "one_short_decode",
+        "rows_per_token",
+        "decode_over_3500_keys",
+        "chunk_deep_in_2700_keys_beside_decode_and_prompt",
+    ],
 )
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 32), (2, 1, 128), (6, 2, 24), (4, 4, 16)])
 def test_paged_attention_every_head_size_and_work_split(specs, heads, kv_heads, head_dim, cpu_kernels):
-    """Head sizes 16/32/64/128 run register-tiled code, others (24) the generic loops; a step with
-    few query tokens over thousands of keys gives each kv head its own work item, other steps
-    give each token one item over whole cache rows. All must equal the reference."""
-    block_size, num_blocks = 16, 200
+    """Head sizes 16/32/48/64/128 run register-tiled code, others (24) the generic loops; items of
+    few rows (a decode's group of heads) compute scores row by row, wider ones against transposed
+    queries; a step with too few items for the threads splits long key ranges and combines the
+    parts. At thousands of keys too, all must equal the reference."""
+    block_size, num_blocks = 16, 600
     rng = np.random.default_rng(7)
     pool = BlockPool(num_blocks, seed=3)
     chunks = [(list(range(q)), ctx, pool.take(blocks_for(q + ctx, block_size))) for q, ctx in specs]
@@ -101,6 +109,32 @@ def test_paged_attention_every_head_size_and_work_split(specs, heads, kv_heads, 
             paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), meta, scale, window or None
         )
         out = _attend(cpu_kernels, paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), meta, scale, window)
+        np.testing.assert_allclose(out.numpy().reshape(want.shape), want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("specs", [[(1, 2000)], [(64, 1900)]], ids=["decode", "prompt_chunk"])
+def test_online_softmax_when_the_maximum_keeps_rising(specs, cpu_kernels):
+    """Keys whose scores grow along the sequence (and spread over ~100 units): every key tile
+    raises a row's running maximum, so each rescales the partial sums and outputs before it; a
+    wrong rescale or a split combined with the wrong weights shows at once."""
+    heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 32, 16, 300
+    rng = np.random.default_rng(11)
+    pool = BlockPool(num_blocks, seed=5)
+    chunks = [(list(range(q)), ctx, pool.take(blocks_for(q + ctx, block_size))) for q, ctx in specs]
+    meta = build_meta(chunks, block_size)
+    total = sum(q for q, _ in specs)
+    q = np.abs(rng.standard_normal((total, heads, head_dim))).astype(np.float32)
+    k = np.abs(rng.standard_normal((num_blocks, block_size, kv_heads, head_dim))).astype(np.float32)
+    for b, (q_len, ctx) in enumerate(specs):  # scale each key by its position in its sequence
+        for i in range(blocks_for(q_len + ctx, block_size)):
+            positions = np.arange(i * block_size, (i + 1) * block_size, dtype=np.float32)
+            k[meta.block_tables[b][i]] *= (positions / 700.0).reshape(block_size, 1, 1)
+    v = rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    for window in (0, 300):
+        want = ReferenceOps().paged_attention(
+            paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), meta, 1.0, window or None
+        )
+        out = _attend(cpu_kernels, paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), meta, 1.0, window)
         np.testing.assert_allclose(out.numpy().reshape(want.shape), want.numpy(), rtol=1e-4, atol=1e-5)
 
 

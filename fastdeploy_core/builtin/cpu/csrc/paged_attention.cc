@@ -13,10 +13,13 @@
 //   for any mix of decode and prefill rows: token i of sequence b (query rows
 //   [query_start[b], query_start[b + 1])) sits at position seq_lens[b] - q_len + i and sees the
 //   keys at positions 0 .. that position (with sliding_window w > 0 only the last w of them,
-//   itself included: keys p > position - w, as HF's Mistral), read block by block through block_tables. Grouped
-//   query heads that share a KV head are computed together, so each key and value row is
-//   loaded once per group. Softmax in float32 with the maximum subtracted. One work item is
-//   (query token, KV head); the pool's threads claim items.
+//   itself included: keys p > position - w, as HF's Mistral), read block by block through
+//   block_tables. Tiled (see "tiled attention" below): a work item is a block of query tokens of
+//   one sequence with every query head of one KV head, walking its keys in 64-key tiles with an
+//   online softmax, so scores never leave the cache and each key/value row is read once per
+//   item; causal tiles past the item are skipped; a step with too few items for the threads
+//   (a few long decodes) splits each item's keys and combines the partial softmax results.
+//   Softmax in float32 with the running maximum subtracted.
 //
 // The caches are [num_blocks, block_size, kvh, d] float32 and are written in place: they are
 // the engine's long-lived KV buffers, not values of a graph (the ops run eagerly on the cpu).
@@ -143,39 +146,18 @@ std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle:
 
 namespace {
 
-struct AttentionJob {
-  const float* q;  // [T, h, d]
-  const float* k;  // cache [NB, bs, kvh, d]
-  const float* v;
-  const int64_t* token_seq;  // [T]: sequence of each query token
-  const int64_t* token_pos;  // [T]: its position (keys 0..pos are visible)
-  const int64_t* tables;     // [B, MB]
-  int64_t max_blocks, block_size, num_heads, num_kv_heads, d, window;
-  int64_t heads_per_item;   // kv heads per work item: 1, or all of them (whole cache rows)
-  int64_t tokens_per_item;  // consecutive query tokens per work item
-  int64_t num_tokens;
-  float scale;
-  float* out;  // [T, h, d]
-};
-
-// Rows ahead of the one being read whose K and V lines are requested (prefetched). One item's
-// keys are a short walk that the hardware prefetcher does not pick up before it ends: without
-// asking for rows ahead, a 64-sequence decode step spent most of its attention waiting on DRAM.
-// Requests go to L2 (prefetcht1): into L1 they evicted the rows the current head's passes
-// re-read (0.57 -> 0.43 ms per layer, 64 decodes of 103 keys, cold caches, with Streamer).
-constexpr int64_t kPrefetchRows = 8;
-
-// Below this many (key, kv head) pairs a step's few query tokens run as one item per token on the
-// calling thread: waking a worker costs more than the work.
-constexpr int64_t kSplitKeys = 4096;
-
-// At most this many consecutive query tokens per work item.
-constexpr int64_t kTokensPerItem = 8;
-
-inline void prefetch_row(const float* row, int64_t d) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(float)); off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
-}
+// ---- tiled attention --------------------------------------------------------------------------
+//
+// One work item is a block of consecutive query tokens of one sequence and one kv head, with
+// every query head of that kv head's group: its rows (token x group head) share each key and
+// value row, so a row of the cache is read once per item, not once per query head and token.
+// The item walks its keys in tiles of kKeyTile with an online softmax (a running maximum and sum
+// per row, the partial output rescaled when the maximum grows): a tile's scores, the rows'
+// queries and outputs stay in L1/L2 whatever the context length. Key tiles past the item's last
+// position (causal) or before its first row's window are never visited; a tile that every row
+// sees whole is not masked. When there are too few items to keep the threads busy (decode of a
+// few long sequences), an item's keys are split into ranges computed as separate items and
+// their partial results (output, maximum, sum per row) are combined afterwards.
 
 // The cache offsets (in floats, head 0) of key positions first .. first + n - 1, walking the
 // sequence's block table one block at a time (no division per key).
@@ -216,208 +198,289 @@ inline f32x16 sum16(const f32x16* v) {
 #endif
 }
 
-// What the first score pass of a token asks for (a token not streamed in): from the row starts k and v, `width`
-// floats of every key row (the K rows kPrefetchRows ahead, the V rows the weighted sums will
-// read). Later passes of the item find the rows in cache and pass k = nullptr.
-struct Prefetch {
-  const float* k = nullptr;
-  const float* v = nullptr;
-  int64_t width = 0;
+// x in every lane. (f32x16{} + x would cost an add per use: x + 0 is not x for x = -0, so the
+// compiler keeps it, on the same ports as the FMAs of the loops below.)
+inline f32x16 splat(float x) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_set1_ps(x);
+#else
+  return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#endif
+}
+
+// Keys per tile.
+constexpr int64_t kKeyTile = 64;
+// Query rows (tokens x query heads of one kv head) per work item, at most.
+constexpr int64_t kRowsPerItem = 64;
+// Items per thread a job aims at before splitting items' keys.
+constexpr int64_t kItemsPerThread = 4;
+// Fewest keys a split range gets.
+constexpr int64_t kMinSplitKeys = 512;
+// Items with fewer rows compute scores row by row (dot products over key rows, 16 keys summed
+// in one tree); wider items broadcast key elements against their transposed queries (16 rows
+// per vector), which wastes lanes when the rows do not fill them.
+constexpr int64_t kNarrowRows = 12;
+
+struct Item {
+  int64_t seq, t_begin, t_end, g;
+  int64_t k_lo, k_hi;  // keys k_lo .. k_hi (inclusive) are visited
+  int64_t partial;     // -1: the item writes the output; else its slot in the partial buffers
 };
 
-// The K and V rows of the next query token of a work item, requested a few cache lines per key
-// while the current token computes (its later passes read rows already in cache): the loads
-// from DRAM then overlap with arithmetic instead of stalling the first pass of every token
-// (with the L2 hint above: 64 decodes of 103 keys, cold caches, 0.57 -> 0.43 ms per layer; reading
-// the rows alone takes 0.34 ms, computing on them in cache 0.25 ms).
-struct Streamer {
-  const float* k = nullptr;  // row starts (head 0) of the cache
-  const float* v = nullptr;
-  const int64_t* off = nullptr;  // the next token's key offsets
-  int64_t rows = 0, row_lines = 0;
-  int64_t row = 0, line = 0;  // the next line to request: line `line` of K row `row` (V rows follow K's)
-
-  void start(const float* k_, const float* v_, const int64_t* off_, int64_t rows_, int64_t row_bytes) {
-    k = k_, v = v_, off = off_, rows = rows_, row_lines = (row_bytes + 63) / 64, row = 0, line = 0;
-  }
-
-  inline void step(int lines) {
-    for (int i = 0; i < lines && row < 2 * rows; ++i) {
-      const float* base = row < rows ? k + off[row] : v + off[row - rows];
-      _mm_prefetch(reinterpret_cast<const char*>(base) + line * 64, _MM_HINT_T1);
-      if (++line == row_lines) line = 0, ++row;
-    }
-  }
+struct AttentionJob {
+  const float* q;  // [T, h, d]
+  const float* k;  // cache [NB, bs, kvh, d]
+  const float* v;
+  const int64_t* token_pos;  // [T]: position of each query token (keys 0..pos are visible)
+  const int64_t* tables;     // [B, MB]
+  int64_t max_blocks, block_size, num_heads, num_kv_heads, d, window, group, rows_max;
+  float scale;
+  float* out;  // [T, h, d]
+  const Item* items;
+  float* part_o;   // [partials, rows_max, d]: unnormalised outputs of split items
+  float* part_ml;  // [partials, rows_max, 2]: their maxima and sums
 };
 
-// Scores s[i] = q . key_i (q already scaled) for n keys at k + off[i], head size 16 * D16:
-// 16 keys at a time, each key's partial products in one vector, then one tree of sums.
-template <int D16>
-void scores_fixed(const float* q, const float* k, const int64_t* off, int64_t n, float* s, const Prefetch& pf,
-                  Streamer& st) {
-  f32x16 qv[D16];
-  for (int c = 0; c < D16; ++c) qv[c] = load16(q + 16 * c);
-  for (int64_t i0 = 0; i0 < n; i0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - i0);
-    f32x16 part[16];
-    for (int64_t j = 0; j < m; ++j) {
-      if (pf.k != nullptr) {
-        if (i0 + j + kPrefetchRows < n) prefetch_row(pf.k + off[i0 + j + kPrefetchRows], pf.width);
-        prefetch_row(pf.v + off[i0 + j], pf.width);
+// Scores st[j * mp + r] = q_r . key_j for rows r < mp (queries transposed: qt[c * mp + r]) and
+// keys j < nk at k + off[j]: 4 keys x NV vectors of 16 rows per pass, a key element broadcast
+// against NV row vectors.
+template <int NV>
+void scores_wide_pass(const float* qt, int64_t mp, int64_t rv0, const float* k, const int64_t* off, int64_t nk,
+                      int64_t d, float* st) {
+  for (int64_t j0 = 0; j0 < nk; j0 += 4) {
+    const int64_t nj = std::min<int64_t>(4, nk - j0);
+    const float* kr[4];
+    for (int64_t jj = 0; jj < 4; ++jj) kr[jj] = k + off[j0 + std::min(jj, nj - 1)];
+    f32x16 acc[4][NV] = {};
+    for (int64_t c = 0; c < d; ++c) {
+      f32x16 qv[NV];
+      for (int n = 0; n < NV; ++n) qv[n] = load16(qt + c * mp + (rv0 + n) * 16);
+      for (int jj = 0; jj < 4; ++jj) {
+        const f32x16 b = splat(kr[jj][c]);
+        for (int n = 0; n < NV; ++n) acc[jj][n] += b * qv[n];
       }
-      st.step(2);
-      const float* row = k + off[i0 + j];
-      f32x16 acc = qv[0] * load16(row);
-      for (int c = 1; c < D16; ++c) acc += qv[c] * load16(row + 16 * c);
-      part[j] = acc;
     }
-    for (int64_t j = m; j < 16; ++j) part[j] = f32x16{};
-    store16(s + i0, sum16(part));
+    for (int64_t jj = 0; jj < nj; ++jj)
+      for (int n = 0; n < NV; ++n) store16(st + (j0 + jj) * mp + (rv0 + n) * 16, acc[jj][n]);
   }
 }
 
-// out = sum_i p[i] * value_i for n values at v + off[i], the output row held in registers.
+void scores_wide(const float* qt, int64_t mp, const float* k, const int64_t* off, int64_t nk, int64_t d, float* st) {
+  const int64_t vectors = mp / 16;
+  for (int64_t rv0 = 0; rv0 < vectors; rv0 += 4) {
+    switch (std::min<int64_t>(4, vectors - rv0)) {
+      case 1: scores_wide_pass<1>(qt, mp, rv0, k, off, nk, d, st); break;
+      case 2: scores_wide_pass<2>(qt, mp, rv0, k, off, nk, d, st); break;
+      case 3: scores_wide_pass<3>(qt, mp, rv0, k, off, nk, d, st); break;
+      default: scores_wide_pass<4>(qt, mp, rv0, k, off, nk, d, st); break;
+    }
+  }
+}
+
+// The same scores for few rows (queries as rows, qr[r * d + c]), head size 16 * D16: 16 keys'
+// partial products in 16 vectors, then one tree of sums.
 template <int D16>
-void weighted_sum_fixed(const float* p, const float* v, const int64_t* off, int64_t n, float* out, Streamer& st) {
-  f32x16 acc[D16] = {};
-  for (int64_t i = 0; i < n; ++i) {
-    st.step(2);
-    const float* row = v + off[i];
-    const f32x16 w = f32x16{} + p[i];
-    for (int c = 0; c < D16; ++c) acc[c] += w * load16(row + 16 * c);
-  }
-  for (int c = 0; c < D16; ++c) store16(out + 16 * c, acc[c]);
-}
-
-// Any head size: one dot product per key, values accumulated in the output row.
-void scores_any(const float* q, const float* k, const int64_t* off, int64_t n, int64_t d, float* s,
-                const Prefetch& pf, Streamer& st) {
-  for (int64_t i = 0; i < n; ++i) {
-    st.step(2);
-    if (pf.k != nullptr) {
-      if (i + kPrefetchRows < n) prefetch_row(pf.k + off[i + kPrefetchRows], pf.width);
-      prefetch_row(pf.v + off[i], pf.width);
-    }
-    s[i] = dot(q, k + off[i], d);
-  }
-}
-
-void weighted_sum_any(const float* p, const float* v, const int64_t* off, int64_t n, int64_t d, float* out,
-                      Streamer& st) {
-  std::memset(out, 0, d * sizeof(float));
-  for (int64_t i = 0; i < n; ++i) {
-    st.step(2);
-    axpy(p[i], v + off[i], out, d);
-  }
-}
-
-void scores(const float* q, const float* k, const int64_t* off, int64_t n, int64_t d, float* s, const Prefetch& pf,
-            Streamer& st) {
-  switch (d) {
-    case 16: return scores_fixed<1>(q, k, off, n, s, pf, st);
-    case 32: return scores_fixed<2>(q, k, off, n, s, pf, st);
-    case 64: return scores_fixed<4>(q, k, off, n, s, pf, st);
-    case 128: return scores_fixed<8>(q, k, off, n, s, pf, st);
-    default: return scores_any(q, k, off, n, d, s, pf, st);
-  }
-}
-
-void weighted_sum(const float* p, const float* v, const int64_t* off, int64_t n, int64_t d, float* out, Streamer& st) {
-  switch (d) {
-    case 16: return weighted_sum_fixed<1>(p, v, off, n, out, st);
-    case 32: return weighted_sum_fixed<2>(p, v, off, n, out, st);
-    case 64: return weighted_sum_fixed<4>(p, v, off, n, out, st);
-    case 128: return weighted_sum_fixed<8>(p, v, off, n, out, st);
-    default: return weighted_sum_any(p, v, off, n, d, out, st);
-  }
-}
-
-// Softmax of n scores in place; s is padded with -inf to a whole number of vectors.
-void softmax(float* s, int64_t padded) {
-  f32x16 mv = load16(s);
-  for (int64_t p = 16; p < padded; p += 16) {
-    const f32x16 v = load16(s + p);
-    mv = v > mv ? v : mv;
-  }
-  float m = mv[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, mv[i]);
-  f32x16 sumv{};
-  for (int64_t p = 0; p < padded; p += 16) {
-    const f32x16 e = exp16(load16(s + p) - m);  // the -inf padding gives 0
-    store16(s + p, e);
-    sumv += e;
-  }
-  const float inv = 1.f / hsum(sumv);
-  for (int64_t p = 0; p < padded; p += 16) store16(s + p, load16(s + p) * inv);
-}
-
-// The keys query token t sees: positions first .. first + n - 1.
-inline void visible_keys(const AttentionJob& j, int64_t t, int64_t* first, int64_t* n) {
-  const int64_t last = j.token_pos[t];
-  *first = j.window > 0 ? std::max<int64_t>(0, last - j.window + 1) : 0;
-  *n = last + 1 - *first;
-}
-
-// Query token t, kv heads g0 .. g0 + heads_per_item - 1 (with every group of query heads that
-// shares them), its key offsets in off; st streams the rows of the item's next token. A token
-// whose rows a previous token's Streamer requested (streamed_in) asks for none itself.
-void attend_token(const AttentionJob& j, int64_t t, int64_t g0, int64_t n, const int64_t* off, bool streamed_in,
-                  Streamer& st) {
-  const int64_t group = j.num_heads / j.num_kv_heads, d = j.d;
-  const int64_t stride = (n + 15) / 16 * 16;  // each head's scores padded to whole vectors
-  thread_local std::vector<float> sc, qs;
-  sc.resize(stride);
-  qs.resize(d);
-  Prefetch pf;
-  if (!streamed_in) {
-    pf = Prefetch{j.k + g0 * d, j.v + g0 * d, j.heads_per_item * d};
-    for (int64_t i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_row(pf.k + off[i], pf.width);
-  }
-  for (int64_t g = g0; g < g0 + j.heads_per_item; ++g) {
-    const float* k = j.k + g * d;
-    const float* v = j.v + g * d;
-    for (int64_t a = 0; a < group; ++a) {
-      const int64_t head = g * group + a;
-      const float* src = j.q + (t * j.num_heads + head) * d;
-      for (int64_t i = 0; i < d; ++i) qs[i] = src[i] * j.scale;
-      float* s = sc.data();
-      scores(qs.data(), k, off, n, d, s, pf, st);
-      pf = Prefetch{};
-      for (int64_t i = n; i < stride; ++i) s[i] = -INFINITY;
-      softmax(s, stride);
-      weighted_sum(s, v, off, n, d, j.out + (t * j.num_heads + head) * d, st);
+void scores_narrow_fixed(const float* qr, int64_t m, int64_t mp, const float* k, const int64_t* off, int64_t nk,
+                         float* st) {
+  for (int64_t r = 0; r < m; ++r) {
+    f32x16 qv[D16];
+    for (int c = 0; c < D16; ++c) qv[c] = load16(qr + r * 16 * D16 + 16 * c);
+    for (int64_t j0 = 0; j0 < nk; j0 += 16) {
+      const int64_t n = std::min<int64_t>(16, nk - j0);
+      f32x16 part[16];
+      for (int64_t j = 0; j < n; ++j) {
+        const float* row = k + off[j0 + j];
+        f32x16 acc = qv[0] * load16(row);
+        for (int c = 1; c < D16; ++c) acc += qv[c] * load16(row + 16 * c);
+        part[j] = acc;
+      }
+      for (int64_t j = n; j < 16; ++j) part[j] = f32x16{};
+      const f32x16 s = sum16(part);
+      for (int64_t j = 0; j < n; ++j) st[(j0 + j) * mp + r] = s[j];
     }
   }
 }
 
-// One work item: query tokens [item * tokens_per_item, ...) (at most tokens_per_item of them)
-// and kv heads g0 .. g0 + heads_per_item - 1.
-void attend(void* ctx, int64_t item) {
+void scores_narrow(const float* qr, int64_t m, int64_t mp, const float* k, const int64_t* off, int64_t nk, int64_t d,
+                   float* st) {
+  for (int64_t j = 0; j < nk; ++j)
+    for (int64_t r = m; r < mp; ++r) st[j * mp + r] = 0.f;  // padding rows: finite, never read back
+  switch (d) {
+    case 16: return scores_narrow_fixed<1>(qr, m, mp, k, off, nk, st);
+    case 32: return scores_narrow_fixed<2>(qr, m, mp, k, off, nk, st);
+    case 64: return scores_narrow_fixed<4>(qr, m, mp, k, off, nk, st);
+    case 128: return scores_narrow_fixed<8>(qr, m, mp, k, off, nk, st);
+    default:
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < nk; ++j) st[j * mp + r] = dot(qr + r * d, k + off[j], d);
+  }
+}
+
+// o[r] = o[r] * alpha[r] + sum_j p[j * mp + r] * value_j for rows r0 .. r0 + R - 1, head size
+// 16 * D16, the R output rows held in registers over the tile's keys.
+template <int D16, int R>
+void pv_rows(const float* p, int64_t mp, int64_t r0, const float* v, const int64_t* off, int64_t nk,
+             const float* alpha, float* o) {
+  constexpr int64_t d = 16 * D16;
+  f32x16 acc[R][D16];
+  for (int rr = 0; rr < R; ++rr)
+    for (int c = 0; c < D16; ++c) acc[rr][c] = load16(o + (r0 + rr) * d + 16 * c) * alpha[r0 + rr];
+  for (int64_t j = 0; j < nk; ++j) {
+    const float* row = v + off[j];
+    f32x16 vv[D16];
+    for (int c = 0; c < D16; ++c) vv[c] = load16(row + 16 * c);
+    for (int rr = 0; rr < R; ++rr) {
+      const f32x16 w = splat(p[j * mp + r0 + rr]);
+      for (int c = 0; c < D16; ++c) acc[rr][c] += w * vv[c];
+    }
+  }
+  for (int rr = 0; rr < R; ++rr)
+    for (int c = 0; c < D16; ++c) store16(o + (r0 + rr) * d + 16 * c, acc[rr][c]);
+}
+
+template <int D16>
+void pv_fixed(const float* p, int64_t m, int64_t mp, const float* v, const int64_t* off, int64_t nk,
+              const float* alpha, float* o) {
+  constexpr int R = D16 <= 4 ? 4 : 2;  // R x D16 accumulators: at most 16 of the 32 registers
+  int64_t r0 = 0;
+  for (; r0 + R <= m; r0 += R) pv_rows<D16, R>(p, mp, r0, v, off, nk, alpha, o);
+  for (; r0 < m; ++r0) pv_rows<D16, 1>(p, mp, r0, v, off, nk, alpha, o);
+}
+
+void pv(const float* p, int64_t m, int64_t mp, const float* v, const int64_t* off, int64_t nk, int64_t d,
+        const float* alpha, float* o) {
+  switch (d) {
+    case 16: return pv_fixed<1>(p, m, mp, v, off, nk, alpha, o);
+    case 32: return pv_fixed<2>(p, m, mp, v, off, nk, alpha, o);
+    case 48: return pv_fixed<3>(p, m, mp, v, off, nk, alpha, o);
+    case 64: return pv_fixed<4>(p, m, mp, v, off, nk, alpha, o);
+    case 128: return pv_fixed<8>(p, m, mp, v, off, nk, alpha, o);
+    default:
+      for (int64_t r = 0; r < m; ++r) {
+        float* orow = o + r * d;
+        for (int64_t c = 0; c < d; ++c) orow[c] *= alpha[r];
+        for (int64_t j = 0; j < nk; ++j) axpy(p[j * mp + r], v + off[j], orow, d);
+      }
+  }
+}
+
+void attend_item(void* ctx, int64_t index) {
   const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
-  const int64_t items_per_run = j.num_kv_heads / j.heads_per_item;
-  const int64_t run = item / items_per_run, g0 = item % items_per_run * j.heads_per_item;
-  const int64_t t_begin = run * j.tokens_per_item, t_end = std::min(j.num_tokens, t_begin + j.tokens_per_item);
-  const int64_t row_stride = j.num_kv_heads * j.d;
-  thread_local std::vector<int64_t> off, next_off;
-  int64_t first, n;
-  visible_keys(j, t_begin, &first, &n);
-  off.resize(n);
-  key_offsets(j.tables + j.token_seq[t_begin] * j.max_blocks, j.block_size, first, n, row_stride, off.data());
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    Streamer st;
-    int64_t next_first = 0, next_n = 0;
-    if (t + 1 < t_end) {
-      visible_keys(j, t + 1, &next_first, &next_n);
-      next_off.resize(next_n);
-      key_offsets(j.tables + j.token_seq[t + 1] * j.max_blocks, j.block_size, next_first, next_n, row_stride,
-                  next_off.data());
-      st.start(j.k + g0 * j.d, j.v + g0 * j.d, next_off.data(), next_n, j.heads_per_item * j.d * 4);
+  const Item& it = j.items[index];
+  const int64_t group = j.group, d = j.d, h = j.num_heads;
+  const int64_t m = (it.t_end - it.t_begin) * group, mp = (m + 15) / 16 * 16;
+  const bool narrow = m < kNarrowRows;
+  thread_local std::vector<float> qr, qt, st, o, mv, lv, av;
+  thread_local std::vector<int32_t> row_pos;
+  thread_local std::vector<int64_t> off;
+  qr.assign(mp * d, 0.f);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t t = it.t_begin + r / group, head = it.g * group + r % group;
+    const float* src = j.q + (t * h + head) * d;
+    for (int64_t c = 0; c < d; ++c) qr[r * d + c] = src[c] * j.scale;
+  }
+  if (!narrow) {
+    qt.resize(d * mp);
+    for (int64_t r = 0; r < mp; ++r)
+      for (int64_t c = 0; c < d; ++c) qt[c * mp + r] = qr[r * d + c];
+  }
+  row_pos.resize(mp);
+  for (int64_t r = 0; r < mp; ++r) row_pos[r] = static_cast<int32_t>(j.token_pos[it.t_begin + std::min(r, m - 1) / group]);
+  st.resize(kKeyTile * mp);
+  o.assign(m * d, 0.f);
+  mv.assign(mp, -INFINITY);
+  lv.assign(mp, 0.f);
+  av.resize(mp);
+  off.resize(kKeyTile);
+  const int64_t min_pos = j.token_pos[it.t_begin], max_pos = j.token_pos[it.t_end - 1];
+  const int64_t* table = j.tables + it.seq * j.max_blocks;
+  const int64_t row_stride = j.num_kv_heads * d;
+  const float* k = j.k + it.g * d;
+  const float* v = j.v + it.g * d;
+  const f32x16 neg_inf = f32x16{} - INFINITY;
+  for (int64_t kb = it.k_lo; kb <= it.k_hi; kb += kKeyTile) {
+    const int64_t nk = std::min(kKeyTile, it.k_hi + 1 - kb);
+    key_offsets(table, j.block_size, kb, nk, row_stride, off.data());
+    if (narrow) {
+      scores_narrow(qr.data(), m, mp, k, off.data(), nk, d, st.data());
+    } else {
+      scores_wide(qt.data(), mp, k, off.data(), nk, d, st.data());
     }
-    attend_token(j, t, g0, n, off.data(), t > t_begin, st);
-    if (t + 1 < t_end) {
-      off.swap(next_off);
-      n = next_n;
+    // Causal and window masks, only on tiles some row does not see whole.
+    const bool whole = kb + nk - 1 <= min_pos && (j.window == 0 || kb > max_pos - j.window);
+    if (!whole) {
+      for (int64_t rv = 0; rv < mp; rv += 16) {
+        i32x16 pos;
+        std::memcpy(&pos, row_pos.data() + rv, sizeof(pos));
+        for (int64_t jj = 0; jj < nk; ++jj) {
+          const int32_t kp = static_cast<int32_t>(kb + jj);
+          i32x16 hidden = kp > pos;
+          if (j.window > 0) hidden |= kp <= pos - static_cast<int32_t>(j.window);
+          float* s = st.data() + jj * mp + rv;
+          store16(s, hidden ? neg_inf : load16(s));
+        }
+      }
     }
+    // Online softmax over the tile, 16 rows per vector.
+    for (int64_t rv = 0; rv < mp; rv += 16) {
+      f32x16 mx = neg_inf;
+      for (int64_t jj = 0; jj < nk; ++jj) {
+        const f32x16 s = load16(st.data() + jj * mp + rv);
+        mx = s > mx ? s : mx;
+      }
+      const f32x16 m_old = load16(mv.data() + rv);
+      const f32x16 m_new = mx > m_old ? mx : m_old;
+      // A row with no visible key yet keeps maximum -inf; subtracting 0 instead gives p = 0
+      // and alpha = 0 (its sum and output are still 0) without inf - inf.
+      const f32x16 m_use = m_new == neg_inf ? f32x16{} : m_new;
+      const f32x16 alpha = exp16(m_old - m_use);
+      f32x16 sum{};
+      for (int64_t jj = 0; jj < nk; ++jj) {
+        float* s = st.data() + jj * mp + rv;
+        const f32x16 p = exp16(load16(s) - m_use);
+        store16(s, p);
+        sum += p;
+      }
+      store16(lv.data() + rv, load16(lv.data() + rv) * alpha + sum);
+      store16(mv.data() + rv, m_new);
+      store16(av.data() + rv, alpha);
+    }
+    pv(st.data(), m, mp, v, off.data(), nk, d, av.data(), o.data());
+  }
+  if (it.partial < 0) {
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t t = it.t_begin + r / group, head = it.g * group + r % group;
+      float* dst = j.out + (t * h + head) * d;
+      const float inv = 1.f / lv[r];
+      for (int64_t c = 0; c < d; ++c) dst[c] = o[r * d + c] * inv;
+    }
+  } else {
+    std::memcpy(j.part_o + it.partial * j.rows_max * d, o.data(), m * d * sizeof(float));
+    float* ml = j.part_ml + it.partial * j.rows_max * 2;
+    for (int64_t r = 0; r < m; ++r) ml[2 * r] = mv[r], ml[2 * r + 1] = lv[r];
+  }
+}
+
+// The output rows of an item whose keys were split into `count` ranges (partials first ..
+// first + count - 1): the partial outputs weighted by exp(their maximum - the overall maximum),
+// divided by the likewise weighted sum.
+void combine_partials(const AttentionJob& j, const Item& it, int64_t first, int64_t count) {
+  const int64_t group = j.group, d = j.d, m = (it.t_end - it.t_begin) * group;
+  std::vector<float> weight(count);
+  for (int64_t r = 0; r < m; ++r) {
+    float m_all = -INFINITY;
+    for (int64_t s = 0; s < count; ++s) m_all = std::max(m_all, j.part_ml[((first + s) * j.rows_max + r) * 2]);
+    float l_all = 0.f;
+    for (int64_t s = 0; s < count; ++s) {
+      const float* ml = j.part_ml + ((first + s) * j.rows_max + r) * 2;
+      weight[s] = ml[0] == -INFINITY ? 0.f : std::exp(ml[0] - m_all);
+      l_all += weight[s] * ml[1];
+    }
+    const int64_t t = it.t_begin + r / group, head = it.g * group + r % group;
+    float* dst = j.out + (t * j.num_heads + head) * d;
+    std::memset(dst, 0, d * sizeof(float));
+    for (int64_t s = 0; s < count; ++s)
+      axpy(weight[s] / l_all, j.part_o + ((first + s) * j.rows_max + r) * d, dst, d);
   }
 }
 
@@ -446,7 +509,11 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
   const int64_t* lens = seq_lens.data<int64_t>();
   const int64_t* tables = block_tables.data<int64_t>();
   PD_CHECK(qs[0] == 0 && qs[B] == T, "query_start must run from 0 to the ", T, " query tokens");
-  std::vector<int64_t> token_seq(T), token_pos(T);
+  PD_CHECK(block_size * max_blocks < (int64_t{1} << 31), "positions must fit in 32 bits");
+  const int64_t group = h / kvh;
+  const int64_t tokens_per_item = std::max<int64_t>(1, kRowsPerItem / group);
+  std::vector<int64_t> token_pos(T);
+  std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = qs[b + 1] - qs[b];
     PD_CHECK(q_len >= 0 && lens[b] >= q_len, "sequence ", b, ": ", q_len, " new tokens but seq_len ", lens[b]);
@@ -455,33 +522,58 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
       PD_CHECK(tables[b * max_blocks + p] >= 0 && tables[b * max_blocks + p] < num_blocks, "sequence ", b,
                " block table entry ", p, " = ", tables[b * max_blocks + p], " outside the cache's ", num_blocks,
                " blocks");
-    for (int64_t i = 0; i < q_len; ++i) {
-      token_seq[qs[b] + i] = b;
-      token_pos[qs[b] + i] = lens[b] - q_len + i;
+    for (int64_t i = 0; i < q_len; ++i) token_pos[qs[b] + i] = lens[b] - q_len + i;
+    for (int64_t t0 = qs[b]; t0 < qs[b + 1]; t0 += tokens_per_item) {
+      const int64_t t1 = std::min(qs[b + 1], t0 + tokens_per_item);
+      const int64_t k_lo = sliding_window > 0 ? std::max<int64_t>(0, token_pos[t0] - sliding_window + 1) : 0;
+      for (int64_t g = 0; g < kvh; ++g) items.push_back(Item{b, t0, t1, g, k_lo, token_pos[t1 - 1], -1});
     }
   }
-  const paddle::Tensor q = q_in.contiguous();
-  AttentionJob job{q.data<float>(),  k_cache.data<float>(), v_cache.data<float>(), token_seq.data(),
-                   token_pos.data(), tables,                max_blocks,            block_size,
-                   h,                kvh,                   d,                     sliding_window,
-                   kvh,              1,                     T,
-                   scale,            out};
-  // Whole cache rows per item (one sequential stream the hardware prefetcher follows; 0.68 ->
-  // 0.57 ms per layer for 64 decodes of 103 keys) unless there are too few query tokens to
-  // keep the threads busy and enough keys to be worth waking them: then one item per kv head.
-  int64_t keys = 0;
-  for (int64_t t = 0; t < T; ++t) keys += token_pos[t] + 1;
+  if (items.empty()) return;
+  // Too few items for the threads (a few long decodes): split long key ranges into partials.
   const int64_t threads = fd_kernels::Pool::instance().threads();
-  if (T < 2 * threads && keys * kvh >= kSplitKeys) {
-    job.heads_per_item = 1;
-  } else {
-    // Runs of tokens (the next one's rows stream in while one computes), ~4 items per thread.
-    job.tokens_per_item = std::max<int64_t>(1, std::min<int64_t>(kTokensPerItem, T / (4 * threads)));
+  const int64_t target = kItemsPerThread * threads;
+  struct Split {
+    int64_t item, first, count;
+  };
+  std::vector<Split> splits;
+  std::vector<Item> work;
+  int64_t partials = 0;
+  const int64_t base = static_cast<int64_t>(items.size());
+  for (int64_t i = 0; i < base; ++i) {
+    const Item& it = items[i];
+    const int64_t keys = it.k_hi - it.k_lo + 1;
+    int64_t count = 1;
+    if (threads > 1 && base < target) count = std::min((target + base - 1) / base, keys / kMinSplitKeys);
+    if (count <= 1) {
+      work.push_back(it);
+      continue;
+    }
+    const int64_t per = (keys + count - 1) / count;
+    const int64_t span = (per + kKeyTile - 1) / kKeyTile * kKeyTile;
+    const int64_t first = partials;
+    for (int64_t lo = it.k_lo; lo <= it.k_hi; lo += span) {
+      Item part = it;
+      part.k_lo = lo, part.k_hi = std::min(it.k_hi, lo + span - 1), part.partial = partials++;
+      work.push_back(part);
+    }
+    splits.push_back(Split{i, first, partials - first});
   }
-  const int64_t runs = (T + job.tokens_per_item - 1) / job.tokens_per_item;
-  fd_kernels::Pool::instance().run(runs * (kvh / job.heads_per_item), attend, &job);
+  // The costliest items first (later query blocks of a causal prompt see more keys), so the
+  // last items claimed are short and the threads finish together.
+  std::stable_sort(work.begin(), work.end(), [](const Item& a, const Item& b) {
+    return (a.t_end - a.t_begin) * (a.k_hi - a.k_lo) > (b.t_end - b.t_begin) * (b.k_hi - b.k_lo);
+  });
+  const int64_t rows_max = tokens_per_item * group;
+  std::vector<float> part_o(partials * rows_max * d), part_ml(partials * rows_max * 2);
+  const paddle::Tensor q = q_in.contiguous();
+  AttentionJob job{q.data<float>(), k_cache.data<float>(), v_cache.data<float>(), token_pos.data(), tables,
+                   max_blocks,      block_size,            h,                     kvh,              d,
+                   sliding_window,  group,                 rows_max,              scale,            out,
+                   work.data(),     part_o.data(),         part_ml.data()};
+  fd_kernels::Pool::instance().run(static_cast<int64_t>(work.size()), attend_item, &job);
+  for (const Split& s : splits) combine_partials(job, items[s.item], s.first, s.count);
 }
-
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
                                            const paddle::Tensor& v_cache, const paddle::Tensor& query_start,
                                            const paddle::Tensor& seq_lens, const paddle::Tensor& block_tables,
