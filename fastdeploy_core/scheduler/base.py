@@ -210,6 +210,10 @@ class RequestScheduler(ABC):
 
     name: ClassVar[str] = ""
     settings: ClassVar[frozenset[str]] = frozenset({"scheduler_name"})
+    #: True: requests the engine cannot start yet wait in this scheduler's queue (bounded by its
+    #: ttl), where peers may take them, so the API process hands every request over at once
+    #: instead of holding it for a free engine slot (and ``--max-waiting-time`` does not apply).
+    holds_waiting_requests: ClassVar[bool] = False
 
     def __init__(self, config: SchedulerConfig):
         self.config = config

@@ -35,6 +35,7 @@ import os
 import random
 import secrets
 import socket
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -57,8 +58,16 @@ from fastdeploy_core.scheduler.signing import Sealer, signing_secret
 
 logger = logging.getLogger("fastdeploy.scheduler")
 
-#: Seconds a Redis connect or command may take before the store counts as lost.
-REDIS_TIMEOUT_S = 2.0
+#: Seconds a Redis connect may take before the store counts as unreachable.
+REDIS_CONNECT_TIMEOUT_S = 2.0
+#: Seconds a Redis command may take before the store counts as lost: generous, because on a
+#: loaded machine a healthy Redis can answer late, and calling it lost fails every request.
+REDIS_TIMEOUT_S = 5.0
+#: Keep-alive writes per expire period: several, so a few late ones never let a live key lapse.
+KEEPALIVE_WRITES_PER_EXPIRY = 5
+#: Seconds without a turn of the engine loop after which the keep-alive stops being written: a
+#: loop stalled that long is hung, and its peers should fail its work rather than wait forever.
+LOOP_STALL_S = 60.0
 #: Seconds between reconnection attempts while Redis is lost.
 RECONNECT_PERIOD_S = 1.0
 #: Peers a steal attempt picks among (at random), as a bound on one scan's work.
@@ -92,7 +101,7 @@ def _client(config):
         port=config.scheduler_port,
         db=config.scheduler_db,
         password=password,
-        socket_connect_timeout=REDIS_TIMEOUT_S,
+        socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
         socket_timeout=REDIS_TIMEOUT_S,
         max_connections=config.scheduler_reader_parallel + config.scheduler_writer_parallel,
     )
@@ -143,6 +152,7 @@ class GlobalScheduler(RequestScheduler):
     """See the module docstring."""
 
     name = "global"
+    holds_waiting_requests = True
     settings = frozenset(
         {
             "scheduler_name", "scheduler_ttl", "scheduler_host", "scheduler_port", "scheduler_db",
@@ -171,7 +181,9 @@ class GlobalScheduler(RequestScheduler):
         self._reason = ""
         self._queue_depth = 0
         self._next_sync = 0.0
-        self._next_keepalive = 0.0
+        self._loop_beat = time.monotonic()
+        self._halt = threading.Event()
+        self._keepalive: threading.Thread | None = None
         self._next_liveness = 0.0
         self._next_expiry = 0.0
         self._next_reconnect = 0.0
@@ -197,6 +209,8 @@ class GlobalScheduler(RequestScheduler):
         self.redis = connect(self.config)
         self._announce()
         self._up = True
+        self._keepalive = threading.Thread(target=self._keep_alive, name="scheduler-keepalive", daemon=True)
+        self._keepalive.start()
         logger.info("global scheduler: instance %s on %s, topic %r", self.instance, _where(self.config),
                     self.config.scheduler_topic)
 
@@ -208,10 +222,36 @@ class GlobalScheduler(RequestScheduler):
         pipe.zadd(self._load_key(self.instance), {self.instance: 0})
         pipe.execute()
         self._queue_depth = 0
-        now = time.monotonic()
-        self._next_keepalive = now + self._expire_s / 3
+
+    def _keep_alive(self) -> None:
+        """Write the keep-alive key from this thread, not from the engine loop.
+
+        The engine loop may be slow for a while (a long prefill, a loaded machine); its peers
+        must not take a live instance for dead and fail its work. Only a loop that has not
+        turned for :data:`LOOP_STALL_S` counts as hung: then the key is left to lapse.
+        """
+        key = self._key("alive", self.instance)
+        period = self._expire_s / KEEPALIVE_WRITES_PER_EXPIRY
+        stalled = False
+        while not self._halt.wait(period):
+            if not self._up:
+                continue  # the loop re-announces once it reconnects
+            if time.monotonic() - self._loop_beat > LOOP_STALL_S:
+                if not stalled:
+                    logger.error("global scheduler: the engine loop has not turned for %.0f s; letting this "
+                                 "instance's keep-alive lapse so peers fail its work", LOOP_STALL_S)
+                stalled = True
+                continue
+            stalled = False
+            try:
+                self.redis.set(key, b"1", px=self.config.scheduler_expire_period)
+            except Exception as exc:  # noqa: BLE001 - the loop notices a lost Redis and says so
+                logger.debug("global scheduler: keep-alive not written: %s", exc)
 
     def stop(self) -> None:
+        self._halt.set()
+        if self._keepalive is not None:
+            self._keepalive.join(REDIS_TIMEOUT_S + 1)
         if self.redis is None:
             return
         try:
@@ -503,6 +543,7 @@ class GlobalScheduler(RequestScheduler):
             pipe.expire(key, max(60, self.config.scheduler_ttl))
 
     def poll(self) -> SchedulerEvents:
+        self._loop_beat = time.monotonic()
         events, self._pending = self._pending, SchedulerEvents()
         events.errors[:0] = self._errors
         self._errors = []
@@ -532,16 +573,13 @@ class GlobalScheduler(RequestScheduler):
         return events
 
     def _exchange(self, events: SchedulerEvents) -> None:
-        """One round trip: our results and aborts in, keep-alive and load out when due."""
+        """One round trip: our results and aborts in, the load out when due."""
         resp, ctl = self._key("resp", self.instance), self._key("ctl", self.instance)
         batch = self.config.scheduler_reader_batch_size
         now = time.monotonic()
         pipe = self.redis.pipeline()
         pipe.lpop(resp, batch)
         pipe.lpop(ctl, batch)
-        if now >= self._next_keepalive:
-            self._next_keepalive = now + self._expire_s / 3
-            pipe.set(self._key("alive", self.instance), b"1", px=self.config.scheduler_expire_period)
         if now >= self._next_sync:
             self._next_sync = now + self.config.scheduler_sync_period / 1000
             pipe.zadd(self._load_key(self.instance), {self.instance: self._queue_depth})

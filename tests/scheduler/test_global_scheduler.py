@@ -25,9 +25,21 @@ def config(redis_server, **extra):
     return EngineArgs.create(**values).scheduler
 
 
+_started: list[GlobalScheduler] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_instances():
+    """Each instance's keep-alive thread stops with its test."""
+    yield
+    while _started:
+        _started.pop().stop()
+
+
 def instance(redis_server, name, **extra):
     sched = GlobalScheduler(config(redis_server, **extra), instance=name)
     sched.start()
+    _started.append(sched)
     return sched
 
 
@@ -140,7 +152,8 @@ def test_a_lapsed_thief_fails_the_origins_requests(redis_server):
         a.add_request(request(f"k{k}"))
     assert len(steal(b)) == 2
     a.poll()
-    # B dies without a word: nothing refreshes its keep-alive (500 ms).
+    # B dies without a word: its keep-alive thread stops writing (the key lasts 500 ms).
+    b._halt.set()
     deadline = time.monotonic() + 3
     errors = []
     while time.monotonic() < deadline and len(errors) < 2:
@@ -163,10 +176,44 @@ def test_a_lapsed_origin_leaves_the_load_set_and_its_queue_is_stealable(redis_se
     assert r.zscore("fastdeploy.default.load.0", "A") is None
 
 
+def test_keep_alive_is_written_while_the_engine_loop_is_slow(redis_server):
+    """A live instance whose loop does not poll for several expire periods (a long step on a
+    loaded machine) keeps its key: peers do not fail its work."""
+    a, b = instance(redis_server, "A"), instance(redis_server, "B")
+    for k in range(2):
+        a.add_request(request(f"s{k}"))
+    assert len(steal(b)) == 2
+    a.poll()
+    r = redis_server.client()
+    for _ in range(8):  # 2 s: four expire periods without B polling
+        time.sleep(0.25)
+        assert r.exists("fastdeploy.default.alive.B")
+        assert a.poll().errors == []
+    assert set(a._own) == {"s0", "s1"}
+
+
+def test_a_hung_loop_lets_its_keep_alive_lapse(redis_server, monkeypatch):
+    import fastdeploy_core.scheduler.global_scheduler as gs
+
+    monkeypatch.setattr(gs, "LOOP_STALL_S", 0.3)
+    b = instance(redis_server, "B")
+    r = redis_server.client()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and r.exists("fastdeploy.default.alive.B"):
+        time.sleep(0.05)
+    assert not r.exists("fastdeploy.default.alive.B")
+    b.poll()  # the loop turns again: the key comes back
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and not r.exists("fastdeploy.default.alive.B"):
+        time.sleep(0.05)
+    assert r.exists("fastdeploy.default.alive.B")
+
+
 def test_values_not_signed_with_the_secret_are_dropped(redis_server):
     a = instance(redis_server, "A")
     stranger = GlobalScheduler(config(redis_server, scheduler_secret="other"), instance="X")
     stranger.start()
+    _started.append(stranger)
     # A stranger pushes a request into A's queue and a fake result into A's response queue.
     r = redis_server.client()
     key = "fastdeploy.default.req.A"

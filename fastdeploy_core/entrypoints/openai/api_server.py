@@ -48,6 +48,20 @@ def _json(model: Any, status: int = 200) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"), status_code=status)
 
 
+def _scheduler_holds_waiting(engine_args: EngineArgs, server: ServerConfig) -> bool:
+    """Whether the request scheduler queues what the engine cannot start yet (then the API hands
+    every request over at once, and ``--max-waiting-time`` does not apply: its ttl does)."""
+    from fastdeploy_core.scheduler import scheduler_class
+
+    sched = engine_args.scheduler
+    holds = scheduler_class(sched.scheduler_name).holds_waiting_requests
+    if holds and server.max_waiting_time is not None and server.max_waiting_time >= 0:
+        logger.warning("--max-waiting-time %g does not apply with --scheduler-name %s: requests wait in its queue, "
+                       "bounded by --scheduler-ttl %d s", server.max_waiting_time, sched.scheduler_name,
+                       sched.scheduler_ttl)
+    return holds
+
+
 def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
     """The app; its lifespan loads the tokenizer, starts the engine core and stops it again."""
     from fastdeploy_core.entrypoints.openai.serving_chat import create_chat_completion, render_chat_prompt
@@ -84,7 +98,8 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
             logger.error("the engine core could not start: %s", exc.message)
             raise
         served = engine_args.model.served_model_name or _default_served_name(engine_args.model.model, source.path)
-        admission = Admission(server.max_concurrency, engine_args.scheduler.max_num_seqs, server.max_waiting_time)
+        admission = Admission(server.max_concurrency, engine_args.scheduler.max_num_seqs, server.max_waiting_time,
+                              gate_slots=not _scheduler_holds_waiting(engine_args, server))
         metrics = ServerMetrics(lambda: engine.stats, lambda: admission.num_waiting,
                                 engine_alive=lambda: engine.dead_error is None)
         state = ServingState(
@@ -137,7 +152,10 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
         return holder["state"]
 
     def engine_down() -> JSONResponse | None:
-        err = state().engine.dead_error
+        """503 with the reason while requests cannot be served: the engine core died, or the
+        request scheduler lost its store (``global`` without its Redis; 200 again once back)."""
+        engine = state().engine
+        err = engine.dead_error or engine.scheduler_error
         if err is None:
             return None
         return JSONResponse(error_body(err.message, err.error_type, None, err.code), status_code=503)

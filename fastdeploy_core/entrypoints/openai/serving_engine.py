@@ -64,11 +64,17 @@ CONCURRENCY_GRACE_SECONDS = 0.05
 
 
 class Admission:
-    """Concurrency limit (429) and engine-slot queue with a waiting deadline (503)."""
+    """Concurrency limit (429) and engine-slot queue with a waiting deadline (503).
 
-    def __init__(self, max_concurrency: int, max_slots: int, max_waiting_time: float):
+    With ``gate_slots=False`` requests are not held for a free engine slot here: a request-level
+    scheduler whose queue is shared with peers (``global``) must see every request at once, or
+    idle instances never find anything to take.
+    """
+
+    def __init__(self, max_concurrency: int, max_slots: int, max_waiting_time: float, gate_slots: bool = True):
         self.max_concurrency = max_concurrency
         self.max_slots = max_slots
+        self.gate_slots = gate_slots
         self.max_waiting_time = max_waiting_time
         self.in_flight = 0
         self.free_slots = max_slots
@@ -117,6 +123,9 @@ class Admission:
             )
         self.in_flight += 1
         lease = Lease(self, slots=0)
+        if not self.gate_slots:
+            lease.admitted = time.time()
+            return lease
         try:
             if not self._waiters and self.free_slots >= slots:
                 self.free_slots -= slots
