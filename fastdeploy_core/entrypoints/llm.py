@@ -14,6 +14,7 @@ Outputs are :class:`~fastdeploy_core.engine.outputs.RequestOutput`, in the order
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Sequence
 from typing import Any, Self
@@ -22,9 +23,33 @@ from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.engine.llm_engine import LLMEngine
 from fastdeploy_core.engine.outputs import RequestOutput
 from fastdeploy_core.engine.sampling_params import SamplingParams
-from fastdeploy_core.errors import EngineDeadError, InvalidRequestError
+from fastdeploy_core.errors import ConfigError, EngineDeadError, InvalidRequestError
 
 PromptType = str | list[int] | dict
+
+logger = logging.getLogger("fastdeploy")
+
+
+def _check_offline_scheduler(args: EngineArgs) -> None:
+    """The offline engine runs in this process with no request-level scheduler in front of it:
+    a ``scheduler_name`` other than ``local`` is refused (it would be accepted and do nothing),
+    and scheduler settings given anyway are named in a warning."""
+    sched = args.scheduler
+    if sched.scheduler_name != "local":
+        raise ConfigError(
+            f"scheduler_name: the offline LLM runs one in-process engine with no request-level scheduler, so "
+            f"{sched.scheduler_name!r} would do nothing here; it schedules requests of `fastdeploy serve` "
+            f"instances (`fastdeploy serve --scheduler-name {sched.scheduler_name}`); drop scheduler_name for "
+            "offline use",
+            param="scheduler_name",
+        )
+    given = [
+        key for key, info in type(sched).model_fields.items()
+        if key.startswith("scheduler_") and getattr(sched, key) != info.default
+    ]
+    if given:
+        logger.warning("the offline LLM has no request-level scheduler; %s apply to `fastdeploy serve` only",
+                       ", ".join(given))
 
 
 class LLM:
@@ -36,11 +61,13 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any):
         self.engine_args = EngineArgs.create(model=model, **engine_args)
+        _check_offline_scheduler(self.engine_args)
         self.engine = LLMEngine(self.engine_args)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         """Build from an already validated :class:`EngineArgs` (the CLI's path)."""
+        _check_offline_scheduler(args)
         llm = cls.__new__(cls)
         llm.engine_args = args
         llm.engine = LLMEngine(args)

@@ -101,3 +101,61 @@ def test_yaml_keys_and_flags_reach_the_scheduler_section(tmp_path):
     assert "pw" not in repr(engine)
     with pytest.raises(ConfigError, match="scheduler_port"):
         build_configs({}, {"scheduler_port": 0})
+
+
+def test_offline_llm_refuses_a_request_level_scheduler():
+    """LLM(scheduler_name="global") would be accepted and do nothing: refused before the model loads."""
+    from fastdeploy_core.entrypoints.llm import LLM
+
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        LLM(scheduler_name="global", scheduler_port=6390)
+    assert time.monotonic() - started < 5
+    assert err.value.param == "scheduler_name"
+    assert "`fastdeploy serve --scheduler-name global`" in err.value.message
+    assert "offline LLM" in err.value.message
+
+
+def test_offline_llm_names_scheduler_settings_it_ignores(caplog):
+    from fastdeploy_core.entrypoints.llm import _check_offline_scheduler
+
+    with caplog.at_level(logging.WARNING, logger="fastdeploy"):
+        _check_offline_scheduler(EngineArgs.create(scheduler_ttl=5, scheduler_max_size=3))
+    assert "scheduler_max_size, scheduler_ttl apply to `fastdeploy serve` only" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastdeploy"):
+        _check_offline_scheduler(EngineArgs.create())
+    assert caplog.text == ""
+
+
+def test_the_api_holds_requests_back_only_for_a_scheduler_without_a_shared_queue(caplog):
+    """With global, every request must reach the scheduler's queue at once (idle peers take
+    from there); with local the API keeps its engine-slot wait and --max-waiting-time."""
+    import asyncio
+
+    from fastdeploy_core.config import ServerConfig
+    from fastdeploy_core.entrypoints.openai.api_server import _scheduler_holds_waiting
+    from fastdeploy_core.entrypoints.openai.serving_engine import Admission
+    from fastdeploy_core.errors import InvalidRequestError
+
+    server = ServerConfig(max_waiting_time=10)
+    assert _scheduler_holds_waiting(EngineArgs.create(), server) is False
+    with caplog.at_level(logging.WARNING, logger="fastdeploy.serve"):
+        assert _scheduler_holds_waiting(EngineArgs.create(scheduler_name="global"), server) is True
+    assert "--max-waiting-time 10 does not apply with --scheduler-name global" in caplog.text
+
+    async def admit_five(gate_slots):
+        adm = Admission(max_concurrency=100, max_slots=2, max_waiting_time=0.2, gate_slots=gate_slots)
+        outcomes = []
+        for _ in range(5):
+            try:
+                await adm.admit(1)
+                outcomes.append("admitted")
+            except Exception as exc:  # noqa: BLE001 - the outcome is what the test compares
+                outcomes.append(getattr(exc, "code", type(exc).__name__))
+        with pytest.raises(InvalidRequestError, match="--max-num-seqs"):
+            await adm.admit(3)
+        return outcomes
+
+    assert asyncio.run(admit_five(False)) == ["admitted"] * 5
+    assert asyncio.run(admit_five(True)) == ["admitted"] * 2 + ["queue_timeout"] * 3
