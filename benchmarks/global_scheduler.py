@@ -5,7 +5,9 @@ loopback port) it starts three ``fastdeploy serve`` instances, each with one thr
 (``OMP_NUM_THREADS=1``, ``FD_CPU_KERNEL_THREADS=1``), and runs ``fastdeploy bench serve``
 against A only at each concurrency (default 16 and 64). With ``local``, B and C idle; with
 ``global`` they take queued requests from A. It prints output tok/s and TTFT p50/p99 per run and
-how many requests B and C took, and writes every summary as JSON.
+how many requests B and C took, and writes every summary as JSON with the run's stamp (date,
+CPU) and the machine's load average before and after: other work on the same cores shrinks
+every figure, and the stamp says how busy the machine was.
 
     python benchmarks/global_scheduler.py --num-prompts 128 --result-file /tmp/global.json
 
@@ -26,6 +28,9 @@ import tempfile
 import time
 
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_stamp import run_stamp
 
 SECRET = "benchmark-secret"
 
@@ -143,15 +148,19 @@ def main() -> None:
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
     workdir = tempfile.mkdtemp(prefix="fd-global-bench-")
+    load_before = os.getloadavg()
     rows = run("local", args, workdir) + run("global", args, workdir)
+    load_after = os.getloadavg()
     print(f"{'scheduler':<10}{'conc':>6}{'out tok/s':>12}{'TTFT p50 ms':>14}{'TTFT p99 ms':>14}  taken by B, C")
     for row in rows:
         ttft = row["ttft_ms"]
         print(f"{row['scheduler']:<10}{row['concurrency']:>6}{row['output_throughput']:>12.1f}"
               f"{ttft['median']:>14.1f}{ttft['p99']:>14.1f}  {row['taken_by_b_c']}")
+    print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
     if args.result_file:
         with open(args.result_file, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({**run_stamp(), "load_average_before": load_before, "load_average_after": load_after,
+                       "settings": vars(args), "runs": rows}, f, indent=2)
     print(f"logs in {workdir}")
 
 

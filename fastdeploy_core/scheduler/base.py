@@ -235,10 +235,10 @@ class RequestScheduler(ABC):
                 ignored.append(key)
         return ignored
 
-    def start(self) -> None:  # noqa: B027 - optional hook
+    def start(self) -> None:
         """Connect and announce this instance; called once in the engine core process."""
 
-    def stop(self) -> None:  # noqa: B027 - optional hook
+    def stop(self) -> None:
         """Leave: withdraw what this instance announced; called when the engine core stops."""
 
     @property

@@ -646,6 +646,17 @@ class GlobalScheduler(RequestScheduler):
         for rid in [rid for rid, work in self._peer_work.items() if work.origin in dead]:
             del self._peer_work[rid]
             events.aborts.append(rid)
+        # A dead peer with nothing queued leaves the load set now, not at the next steal attempt
+        # (which waits until this instance has room).
+        names = sorted(dead)
+        pipe = self.redis.pipeline()
+        for name in names:
+            pipe.llen(self._key("req", name))
+        cleanup = self.redis.pipeline()
+        for name, depth in zip(names, pipe.execute()):
+            if not depth:
+                cleanup.zrem(self._load_key(name), name)
+        cleanup.execute()
         logger.warning("global scheduler: instance(s) %s stopped answering", ", ".join(sorted(dead)))
 
     def _expire_queued(self, events: SchedulerEvents) -> None:

@@ -161,6 +161,9 @@ def test_a_lapsed_thief_fails_the_origins_requests(redis_server):
         time.sleep(0.05)
     assert sorted(rid for rid, _ in errors) == ["k0", "k1"]
     assert all(e["code"] == "scheduler_peer_lost" for _, e in errors)
+    # A noticed B is gone and B queued nothing: B leaves the load set at once.
+    assert redis_server.client().zscore("fastdeploy.default.load.0", "B") is None
+    assert redis_server.client().zscore("fastdeploy.default.load.0", "A") is not None
 
 
 def test_a_lapsed_origin_leaves_the_load_set_and_its_queue_is_stealable(redis_server):
