@@ -65,8 +65,8 @@ def start_instance(workdir: str, args: argparse.Namespace, extra: list[str]) -> 
     cmd = [*fastdeploy(), "serve", "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
            str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", FD_CPU_KERNEL_THREADS="1", FD_API_KEY="")
-    log = open(os.path.join(workdir, f"serve-{port}.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with open(os.path.join(workdir, f"serve-{port}.log"), "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, port
 
 

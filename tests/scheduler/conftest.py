@@ -38,8 +38,8 @@ class RedisServer:
                 "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--databases", "16"]
         if self.password:
             args += ["--requirepass", self.password]
-        log = open(os.path.join(self.workdir, f"redis-{self.port}.log"), "a")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(os.path.join(self.workdir, f"redis-{self.port}.log"), "a") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

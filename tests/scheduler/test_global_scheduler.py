@@ -17,8 +17,8 @@ ROOMY = Capacity(free_slots=64, free_blocks=10_000, block_size=16, token_budget=
 
 
 def config(redis_server, **extra):
-    values = dict(scheduler_name="global", scheduler_port=redis_server.port, scheduler_secret="test-secret",
-                  scheduler_sync_period=1, scheduler_expire_period=500, scheduler_min_load_score=2)
+    values = {"scheduler_name": "global", "scheduler_port": redis_server.port, "scheduler_secret": "test-secret",
+              "scheduler_sync_period": 1, "scheduler_expire_period": 500, "scheduler_min_load_score": 2}
     values.update(extra)
     if redis_server.password and "scheduler_password" not in values:
         values["scheduler_password"] = redis_server.password

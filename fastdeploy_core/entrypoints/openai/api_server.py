@@ -98,8 +98,8 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
             logger.error("the engine core could not start: %s", exc.message)
             raise
         served = engine_args.model.served_model_name or _default_served_name(engine_args.model.model, source.path)
-        admission = Admission(server.max_concurrency, engine_args.scheduler.max_num_seqs, server.max_waiting_time,
-                              gate_slots=not _scheduler_holds_waiting(engine_args, server))
+        admission = Admission(server.max_concurrency, engine_args.scheduler.max_num_seqs, server.max_waiting_time)
+        admission.gate_slots = not _scheduler_holds_waiting(engine_args, server)
         metrics = ServerMetrics(lambda: engine.stats, lambda: admission.num_waiting,
                                 engine_alive=lambda: engine.dead_error is None)
         state = ServingState(
