@@ -656,6 +656,7 @@ class GlobalScheduler(RequestScheduler):
         for name, depth in zip(names, pipe.execute()):
             if not depth:
                 cleanup.zrem(self._load_key(name), name)
+                logger.info("global scheduler: instance %s removed from the load set", name)
         cleanup.execute()
         logger.warning("global scheduler: instance(s) %s stopped answering", ", ".join(sorted(dead)))
 
