@@ -160,7 +160,7 @@ def main() -> None:
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump({**run_stamp(), "load_average_before": load_before, "load_average_after": load_after,
-                       "settings": vars(args), "runs": rows}, f, indent=2)
+                       "settings": {k: v for k, v in vars(args).items() if k != "result_file"}, "runs": rows}, f, indent=2)
     print(f"logs in {workdir}")
 
 
