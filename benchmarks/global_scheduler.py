@@ -159,8 +159,9 @@ def main() -> None:
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
     if args.result_file:
         with open(args.result_file, "w") as f:
+            settings = {k: v for k, v in vars(args).items() if k != "result_file"}
             json.dump({**run_stamp(), "load_average_before": load_before, "load_average_after": load_after,
-                       "settings": {k: v for k, v in vars(args).items() if k != "result_file"}, "runs": rows}, f, indent=2)
+                       "settings": settings, "runs": rows}, f, indent=2)
     print(f"logs in {workdir}")
 
 
