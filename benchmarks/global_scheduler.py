@@ -121,7 +121,7 @@ def run(scheduler: str, args: argparse.Namespace, workdir: str) -> list[dict]:
                       for (_, p), b in zip(instances[1:], stolen_before)]
             rows.append({"scheduler": scheduler, "concurrency": concurrency, "taken_by_b_c": stolen,
                          "output_throughput": summary["output_throughput"], "ttft_ms": summary["ttft_ms"],
-                         "summary": summary})
+                         "summary": {k: v for k, v in summary.items() if k != "per_request"}})
         return rows
     finally:
         for proc, _ in instances:
