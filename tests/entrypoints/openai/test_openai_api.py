@@ -263,10 +263,10 @@ def _assert_error(r, status, param=None, code=None):
         ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * 5000}, "stop"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function",
-          "function": {"name": "f"}}]}, "tools"),
-        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema",
-          "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
+         "response_format"),
+        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format"),
         ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 9, "max_tokens": 2}, "min_tokens"),
     ],
@@ -276,11 +276,11 @@ def test_invalid_chat_requests_are_400(server, body, param):
     assert err["type"] == "invalid_request_error"
 
 
-def test_not_supported_messages_say_so(server):
+def test_malformed_tools_and_formats_say_what_to_send(server):
     r = _post(server, "/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "function"}]})
-    assert "not supported yet" in r.json()["error"]["message"]
+    assert '"function": {"name": ...' in r.json()["error"]["message"]
     r = _post(server, "/v1/chat/completions", {"messages": QUESTION, "response_format": {"type": "json_schema"}})
-    assert "not supported yet" in r.json()["error"]["message"]
+    assert "needs json_schema.schema" in r.json()["error"]["message"]
 
 
 def test_malformed_json_is_400(server):

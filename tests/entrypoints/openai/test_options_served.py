@@ -232,7 +232,8 @@ def test_config_info_shows_what_is_in_effect(operated):
     assert (args["quantization"], args["kv_cache_dtype"], args["policy"]) == ("wint8", "int8", "priority")
     assert args["chat_template"] == OPERATOR_TEMPLATE
     # refused options cannot be in effect; their fields show they are off
-    assert args["kv_cache_ratio"] is None and args["method"] is None and args["tensor_parallel_size"] == 1
+    assert args["kv_cache_ratio"] is None and args["speculative_config"] is None
+    assert args["tensor_parallel_size"] == 1
     assert args["scheduler_name"] == "local" and args["dtype"] == "auto"
 
 
