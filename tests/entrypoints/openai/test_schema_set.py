@@ -10,7 +10,7 @@ ranges, no extra keys) so a greedy 135M model can finish well within ``max_token
 hits the limit is a failure here, because it means the grammar let the model wander.
 
 Requests go 8 at a time (the server's ``--max-num-seqs``), so the set costs a few batched decodes
-rather than forty sequential ones. Measured on a 2-core Xeon shared with other test runs: the
+rather than 46 sequential ones. Measured on a 2-core Xeon shared with other test runs: the
 module took 61 s at load average ~5 (server start 14 s, 33 schemas 38 s, 13 regex / choice /
 grammar requests 5 s) and 43 s at load average ~2; the longest reply (the invoice) is 132 tokens.
 """
