@@ -21,8 +21,8 @@ captured decode steps: the router's softmax and top-k are Paddle ops). Not part 
 ``--peers`` mode, "MoE against dense and transformers", on the same config: our engine with the
 cpu kernel (as "kernel" above); "dense": a Qwen3 dense model of the same shape whose MLP width is
 ``num_experts_per_tok x moe_intermediate_size`` (the same active parameters per token, minus the
-router's ``hidden x experts`` gate), run twice, with its decode steps captured (the engine's
-default) and eager (``enforce_eager``, as the MoE model always runs); and transformers (torch CPU,
+router's ``hidden x experts`` gate), with the engine's default graph capture (whether its decode
+steps were really replayed is recorded: the MoE model always runs eager); and transformers (torch CPU,
 float32, ``torch.set_num_threads`` equal to ours) on the same saved MoE and dense weights,
 ``generate`` greedy with a fixed number of new tokens, decode timed from the first token's logits
 to the last. After the rounds, a few profiled steps of the MoE engine at each batch time every
@@ -264,8 +264,7 @@ def peers(args, config: dict, batches: list[int]) -> dict:
         write_model(dense_path, dense, dense=True)
         engines = {
             "fastdeploy moe": bench.engine(moe_path),
-            "fastdeploy dense (captured)": bench.engine(dense_path),
-            "fastdeploy dense (eager)": bench.engine(dense_path, enforce_eager=True),
+            "fastdeploy dense": bench.engine(dense_path),
         }
         hf = {
             "transformers moe": transformers.Qwen3MoeForCausalLM.from_pretrained(moe_path, dtype=torch.float32),
@@ -290,6 +289,8 @@ def peers(args, config: dict, batches: list[int]) -> dict:
                     if key not in best or r["tok_per_s"] > best[key]["tok_per_s"]:
                         best[key] = r
         load_middle = os.getloadavg()
+        graphs = engines["fastdeploy dense"].runner.graphs
+        dense_capture = "off" if graphs is None else graphs.disabled_reason or "on (decode steps replayed)"
 
         clock = OpClock()
         originals = {name: getattr(CpuOps, name) for name in PROFILED_OPS}
@@ -329,6 +330,7 @@ def peers(args, config: dict, batches: list[int]) -> dict:
             best[(b, v)]["moe_engine_vs_this_cpu"] = round(best[(b, v)]["cpu_ms_per_step"] / ours["cpu_ms_per_step"], 2)
     return {
         "dense_config": dense,
+        "dense_graph_capture": dense_capture,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
