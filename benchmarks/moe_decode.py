@@ -25,7 +25,7 @@ router's ``hidden x experts`` gate), with the engine's default graph capture (wh
 steps were really replayed is recorded: the MoE model always runs eager); and transformers (torch CPU,
 float32, ``torch.set_num_threads`` equal to ours) on the same saved MoE and dense weights,
 ``generate`` greedy with a fixed number of new tokens, decode timed from the first token's logits
-to the last. After the rounds, a few profiled steps of the MoE engine at each batch time every
+to the last. After the rounds, profiled steps of the MoE engine (and the dense one when eager) time every
 ops-table method (and the router's ``select_experts``) with a wrapper: CPU time per decode step
 in ``fused_moe``, attention, linears, norms and the rest (Python, Paddle glue, sampler, scheduler).
 ``--json`` replaces only this mode's section of the file.
@@ -238,7 +238,7 @@ def transformers_decode(model, prompts: list, tokens: int) -> dict:
 PROFILED_OPS = {
     "fused_moe": "experts (fused_moe)",
     "rope_paged_attention": "attention (rope_paged_attention)",
-    "linear": "linears (qkv, o, router gate)",
+    "linear": "linears (qkv, o, router gate; dense: the MLP)",
     "greedy_lm_head": "lm head (greedy_lm_head)",
     "argmax_rows": "lm head (greedy_lm_head)",
     "embedding": "norms, embedding, activation",
@@ -299,9 +299,11 @@ def peers(args, config: dict, batches: list[int]) -> dict:
             setattr(CpuOps, name, clock.wrap(name, fn))
         moe_layer.select_experts = clock.wrap("select_experts", original_select)
         breakdown = []
+        # the dense model's steps are profiled too when they run eager (a replayed graph calls no op)
+        profiled = ["fastdeploy moe"] + (["fastdeploy dense"] if graphs is None or graphs.disabled_reason else [])
         try:
-            for batch in batches:
-                run = bench.decode(engines["fastdeploy moe"], bench.prompts(batch, config["vocab_size"]), clock)
+            for batch, variant in [(b, v) for b in batches for v in profiled]:
+                run = bench.decode(engines[variant], bench.prompts(batch, config["vocab_size"]), clock)
                 groups: dict[str, float] = {}
                 for name, cpu in run["ops"].items():
                     group = PROFILED_OPS.get(name, "router softmax + top-k (Paddle ops)")
@@ -311,6 +313,7 @@ def peers(args, config: dict, batches: list[int]) -> dict:
                 breakdown.append(
                     {
                         "batch": batch,
+                        "variant": variant,
                         "decode_steps": run["steps"],
                         "cpu_ms_per_step": round(step_ms, 2),
                         "cpu_ms_per_step_by_part": {g: round(1000 * c / run["steps"], 2) for g, c in groups.items()},
@@ -338,7 +341,7 @@ def peers(args, config: dict, batches: list[int]) -> dict:
         "load_average_after_timed_rounds": load_middle,
         "load_average_after": load_after,
         "rows": rows,
-        "moe_step_cpu_breakdown": breakdown,
+        "step_cpu_breakdown": breakdown,
     }
 
 
