@@ -286,6 +286,7 @@ def _mtp_checkpoint(tmp_path_factory, name: str) -> tuple[str, dict]:
 
 def test_mtp_layer_weights_load_and_are_exposed(tmp_path_factory):
     path, tensors = _mtp_checkpoint(tmp_path_factory, "q_lora_yarn_interleaved")
+    set_current_ops(ReferenceOps())  # loaded and run on one ops table
     model = _load(path)
     first = model.dims.num_layers
     assert model.num_mtp_layers == 1 and len(model.mtp_layers) == 1
@@ -307,7 +308,6 @@ def test_mtp_layer_weights_load_and_are_exposed(tmp_path_factory):
     # The MTP layer is not part of the target model's cache or forward.
     assert kv_cache_layout(model).num_layers == first
     # And the target model still matches transformers (which ignores the MTP tensors).
-    set_current_ops(ReferenceOps())
     hf_model = _hf_model("q_lora_yarn_interleaved")
     check_paged(model, PROMPTS[:1], 8, hf_reference(hf_model, PROMPTS[:1], 8))
 
