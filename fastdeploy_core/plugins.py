@@ -134,6 +134,46 @@ def import_target(target: Any) -> Any:
     return getattr(module, attr) if attr else module
 
 
+def registered_subclass(
+    registry: Registry, name: str, base: type, *, param: str, what: str, hook: str, doc: str,
+    unprovided: dict[str, str] | None = None, listed: str | None = None, unprovided_label: str = "",
+) -> type:
+    """The class ``registry`` holds for ``name``, checked to subclass ``base``.
+
+    A name nobody registered is a :class:`ConfigError` (``param``) listing the registered ones
+    with their distributions and, for a FastDeploy name no package provides here
+    (``unprovided``), why; a registered target that is not a ``base`` subclass names the plugin
+    to fix. ``what`` names the kind ("scheduler"), ``hook`` and ``doc`` where a third party
+    registers one; ``listed`` how the registered ones are called (default: ``what`` + "s"),
+    ``unprovided_label`` a word after the FastDeploy name in the hint.
+    """
+    from fastdeploy_core.errors import ConfigError
+
+    target = registry.get(name)
+    if target is None:
+        registered = ", ".join(f"{key} ({registry.entry(key).distribution})" for key in sorted(registry.keys()))
+        why = (unprovided or {}).get(name)
+        hint = (
+            f"FastDeploy's {name!r}{' ' + unprovided_label if unprovided_label else ''}: {why}"
+            if why
+            else f"a third-party {listed[:-1] if listed else what} is a package registering it through {hook} ({doc}); "
+            "install it, or pick a registered one"
+        )
+        raise ConfigError(
+            f"{param}: no {what} {name!r} is registered; registered {listed or what + 's'}: "
+            f"{registered or 'none'}; {hint}",
+            param=param,
+        )
+    cls = import_target(target)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigError(
+            f"{param}: {name!r} is registered as {target!r}, which is not a {base.__module__}.{base.__qualname__} "
+            "subclass; fix the plugin that registers it",
+            param=param,
+        )
+    return cls
+
+
 class PluginManager:
     """The loaded plugins and their registries. Build it with :func:`load_plugins`."""
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 
 from fastdeploy_core.config import SchedulerConfig
-from fastdeploy_core.errors import ConfigError
-from fastdeploy_core.plugins import get_plugin_manager, import_target
+from fastdeploy_core.plugins import get_plugin_manager, registered_subclass
 from fastdeploy_core.scheduler.base import RequestScheduler
 
 logger = logging.getLogger("fastdeploy.scheduler")
@@ -26,31 +25,11 @@ UNPROVIDED_FASTDEPLOY_SCHEDULERS = {
 def scheduler_class(name: str, manager=None) -> type[RequestScheduler]:
     """The class registered as ``name``; ConfigError listing the registered ones otherwise."""
     manager = manager or get_plugin_manager()
-    target = manager.schedulers.get(name)
-    if target is None:
-        registered = ", ".join(
-            f"{key} ({manager.schedulers.entry(key).distribution})" for key in sorted(manager.schedulers.keys())
-        )
-        why = UNPROVIDED_FASTDEPLOY_SCHEDULERS.get(name)
-        hint = (
-            f"FastDeploy's {name!r} scheduler: {why}"
-            if why
-            else "a third-party scheduler is a package registering it through register_schedulers "
-            "(docs/scheduler.md); install it, or pick a registered one"
-        )
-        raise ConfigError(
-            f"scheduler_name: no scheduler {name!r} is registered; registered schedulers: "
-            f"{registered or 'none'}; {hint}",
-            param="scheduler_name",
-        )
-    cls = import_target(target)
-    if not (isinstance(cls, type) and issubclass(cls, RequestScheduler)):
-        raise ConfigError(
-            f"scheduler_name: {name!r} is registered as {target!r}, which is not a "
-            "fastdeploy_core.scheduler.base.RequestScheduler subclass; fix the plugin that registers it",
-            param="scheduler_name",
-        )
-    return cls
+    return registered_subclass(
+        manager.schedulers, name, RequestScheduler, param="scheduler_name", what="scheduler",
+        hook="register_schedulers", doc="docs/scheduler.md", unprovided=UNPROVIDED_FASTDEPLOY_SCHEDULERS,
+        unprovided_label="scheduler",
+    )
 
 
 def check_scheduler(config: SchedulerConfig, manager=None) -> type[RequestScheduler]:

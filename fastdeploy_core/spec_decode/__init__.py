@@ -13,8 +13,7 @@ below the engine, which calls the proposer each step.
 from __future__ import annotations
 
 from fastdeploy_core.config import EngineArgs, SpeculativeConfig
-from fastdeploy_core.errors import ConfigError
-from fastdeploy_core.plugins import get_plugin_manager, import_target
+from fastdeploy_core.plugins import get_plugin_manager, registered_subclass
 from fastdeploy_core.spec_decode.base import DraftRequest, Proposer, ProposerContext
 
 __all__ = ["DraftRequest", "Proposer", "ProposerContext", "build_proposer", "proposer_class"]
@@ -31,31 +30,11 @@ UNPROVIDED_FASTDEPLOY_METHODS = {
 def proposer_class(config: SpeculativeConfig, manager=None) -> type[Proposer]:
     """The class registered as ``config.method``, its settings checked; ConfigError otherwise."""
     manager = manager or get_plugin_manager()
-    name = config.method
-    target = manager.proposers.get(name)
-    if target is None:
-        registered = ", ".join(
-            f"{key} ({manager.proposers.entry(key).distribution})" for key in sorted(manager.proposers.keys())
-        )
-        why = UNPROVIDED_FASTDEPLOY_METHODS.get(name)
-        hint = (
-            f"FastDeploy's {name!r}: {why}"
-            if why
-            else "a third-party method is a package registering it through register_proposers "
-            "(docs/writing-a-plugin.md); install it, or pick a registered one"
-        )
-        raise ConfigError(
-            f"speculative_config.method: no speculative decoding method {name!r} is registered; "
-            f"registered methods: {registered or 'none'}; {hint}",
-            param="speculative_config.method",
-        )
-    cls = import_target(target)
-    if not (isinstance(cls, type) and issubclass(cls, Proposer)):
-        raise ConfigError(
-            f"speculative_config.method: {name!r} is registered as {target!r}, which is not a "
-            "fastdeploy_core.spec_decode.base.Proposer subclass; fix the plugin that registers it",
-            param="speculative_config.method",
-        )
+    cls = registered_subclass(
+        manager.proposers, config.method, Proposer, param="speculative_config.method",
+        what="speculative decoding method", hook="register_proposers", doc="docs/writing-a-plugin.md",
+        unprovided=UNPROVIDED_FASTDEPLOY_METHODS, listed="methods",
+    )
     cls.check_config(config)
     return cls
 
