@@ -82,7 +82,7 @@ FIELDS: dict[tuple[str, str], tuple] = {
     ("parallel", "attention_backend"): read(RUNNER, "make_ops(args.parallel.attention_backend)"),
     ("quant", "quantization"): read(RUNNER, "args.quant.quantization,"),
     # Looked up among registered proposers when the engine starts (fastdeploy_core/spec_decode/).
-    ("speculative", "method"): read("spec_decode/__init__.py", "manager.proposers.get(name)"),
+    ("speculative", "method"): read("spec_decode/__init__.py", "manager.proposers, config.method"),
     ("speculative", "num_speculative_tokens"): read(CORE, "self.args.speculative.num_speculative_tokens"),
     ("speculative", "max_ngram_size"): read("spec_decode/ngram.py", "cfg.max_ngram_size"),
     ("speculative", "min_ngram_size"): read("spec_decode/ngram.py", "cfg.min_ngram_size"),
