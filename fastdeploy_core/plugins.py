@@ -134,20 +134,6 @@ def import_target(target: Any) -> Any:
     return getattr(module, attr) if attr else module
 
 
-def registered_target(registry: Registry, name: str, param: str) -> Any:
-    """The imported target ``registry`` holds for ``name``; a ConfigError (``param``) listing the
-    registered names otherwise."""
-    from fastdeploy_core.errors import ConfigError
-
-    target = registry.get(name)
-    if target is None:
-        known = ", ".join(sorted(registry.keys())) or "none"
-        raise ConfigError(
-            f"{param}: {name!r} is not registered (registered: {known}); see `fastdeploy plugins`", param=param
-        )
-    return import_target(target)
-
-
 def registered_subclass(
     registry: Registry, name: str, base: type, *, param: str, what: str, hook: str, doc: str,
     unprovided: dict[str, str] | None = None, listed: str | None = None, unprovided_label: str = "",

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from fastdeploy_core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,17 @@ def reasoning_parser_class(name: str | None, plugin_manager=None) -> type[Reason
     the registered names."""
     if not name:
         return None
-    from fastdeploy_core.plugins import get_plugin_manager, registered_target
+    from fastdeploy_core.plugins import get_plugin_manager, import_target
 
-    return registered_target((plugin_manager or get_plugin_manager()).reasoning_parsers, name, "reasoning_parser")
+    pm = plugin_manager or get_plugin_manager()
+    target = pm.reasoning_parsers.get(name)
+    if target is None:
+        known = ", ".join(sorted(pm.reasoning_parsers.keys())) or "none"
+        raise ConfigError(
+            f"reasoning_parser: {name!r} is not registered (registered: {known}); see `fastdeploy plugins`",
+            param="reasoning_parser",
+        )
+    return import_target(target)
 
 
 def reasoning_token_count(token_ids: list[int], reasoning_chars: int, decode) -> int:

@@ -137,9 +137,17 @@ def tool_parser_class(name: str | None, plugin_manager=None) -> type[ToolParser]
     listing the registered names."""
     if not name:
         return None
-    from fastdeploy_core.plugins import get_plugin_manager, registered_target
+    from fastdeploy_core.plugins import get_plugin_manager, import_target
 
-    return registered_target((plugin_manager or get_plugin_manager()).tool_parsers, name, "tool_call_parser")
+    pm = plugin_manager or get_plugin_manager()
+    target = pm.tool_parsers.get(name)
+    if target is None:
+        known = ", ".join(sorted(pm.tool_parsers.keys())) or "none"
+        raise ConfigError(
+            f"tool_call_parser: {name!r} is not registered (registered: {known}); see `fastdeploy plugins`",
+            param="tool_call_parser",
+        )
+    return import_target(target)
 
 
 #: The function a ``--tool-parser-plugin`` file defines: the hook's name and signature.
