@@ -1,0 +1,15 @@
+"""Test-run reporting shared by the core's tests and the plugins' tests."""
+
+
+def pytest_runtest_logreport(report):
+    """Print a failure the moment it happens (its test id and the end of its traceback), not only
+    in the summary: a run that dies later (a crashed interpreter, a CI time limit) still shows
+    which tests failed and why."""
+    if not report.failed:
+        return
+    text = str(report.longrepr or "")
+    tail = "\n".join(text.splitlines()[-40:])
+    import sys
+
+    sys.stderr.write(f"\n----- FAILED {report.nodeid} ({report.when}) -----\n{tail}\n-----\n")
+    sys.stderr.flush()
