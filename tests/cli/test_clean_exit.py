@@ -1,9 +1,11 @@
 """The commands exit as a user sees them: status 0 and nothing from teardown on stderr, each
 in its own process (``fastdeploy generate``, ``chat`` fed a line then end of input, ``bench
-latency``, and ``serve`` stopped with SIGTERM)."""
+latency``, ``bench throughput``, ``bench serve`` against a running server, and ``serve`` stopped
+with SIGTERM)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -53,6 +55,18 @@ def test_bench_latency_exits_cleanly():
     assert "tok/s" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
+def test_bench_throughput_exits_cleanly(tmp_path):
+    out = tmp_path / "throughput.json"
+    proc = run_cli(
+        "bench", "throughput", "--input-len", "8", "--output-len", "4", "--num-prompts", "3",
+        "--output-json", str(out), *SMALL,
+    )
+    assert_clean_exit(proc)
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 3, result
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,7 +74,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_serve_stopped_with_sigterm_exits_zero():
+def test_serve_stopped_with_sigterm_exits_zero_and_bench_serve_exits_cleanly(tmp_path):
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "fastdeploy_core.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *SMALL],
@@ -82,6 +96,13 @@ def test_serve_stopped_with_sigterm_exits_zero():
         body = {"model": model, "prompt": "Hello", "max_tokens": 4}
         answer = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
         assert answer.status_code == 200, answer.text
+        bench = run_cli(
+            "bench", "serve", "--base-url", base, "--num-prompts", "2", "--random-input-len", "8",
+            "--random-output-len", "4", "--result-file", str(tmp_path / "serve.json"),
+        )
+        assert_clean_exit(bench)
+        summary = json.loads((tmp_path / "serve.json").read_text())
+        assert summary["completed"] == 2 and summary["failed"] == 0, summary
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
     finally:
