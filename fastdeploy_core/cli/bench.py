@@ -60,7 +60,7 @@ def measure_iteration(engine, prompts: list[list[int]], output_len: int, progres
         for out in engine.step():
             if out.outputs[0].token_ids:
                 waiting_first.discard(out.request_id)
-                generated += 1
+                generated += len(out.outputs[0].delta_token_ids)  # several when drafts were accepted
         if progress is not None:
             progress.update(generated)
         steps += 1
@@ -103,6 +103,32 @@ def _warn_if_busy(load: dict) -> None:
             "other work shared the cores, so these speeds are lower than the engine's",
             err=True,
         )
+
+
+def speculation_summary(engine) -> dict:
+    """The engine's speculative-decoding counters over the whole run (empty when it is off)."""
+    return engine.core.speculative_stats()
+
+
+def speculation_line(stats: dict) -> str | None:
+    """One line on what speculation did, or None when it was off."""
+    if not stats:
+        return None
+    return (
+        f"Speculative decoding ({stats['spec_decode_method']}): "
+        f"{stats['spec_decode_num_draft_tokens_total']} draft tokens proposed, "
+        f"{stats['spec_decode_num_accepted_tokens_total']} accepted "
+        f"(acceptance rate {stats['spec_decode_draft_acceptance_rate']:.1%}); "
+        f"mean accepted length {stats['spec_decode_mean_accepted_length']:.2f} tokens per speculating step"
+    )
+
+
+def _report_speculation(engine, summary: dict) -> None:
+    stats = speculation_summary(engine)
+    line = speculation_line(stats)
+    if line:
+        summary["speculative_decoding"] = stats
+        typer.echo(line)
 
 
 def _write_json(path: str | None, data: dict) -> None:
@@ -163,6 +189,7 @@ def latency_command(
         f"Avg latency: {summary['avg_latency']:.3f} s (batch {batch_size}, {input_len} in, {output_len} out); "
         f"prefill {summary['prefill_tok_s']:.1f} tok/s; decode {summary['decode_tok_s']:.1f} tok/s"
     )
+    _report_speculation(engine, summary)
     _write_json(output_json, summary)
 
 
@@ -208,6 +235,7 @@ def throughput_command(
         f"{summary['output_tokens_per_second']:.1f} output tokens/s ({num_prompts} x {input_len} in / {output_len} out, "
         f"{elapsed:.2f} s)"
     )
+    _report_speculation(engine, summary)
     _write_json(output_json, summary)
 
 

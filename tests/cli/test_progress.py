@@ -47,10 +47,12 @@ class _Counter:
 
 
 class _FakeEngine:
-    """Two requests; each step gives every unfinished request one token."""
+    """Requests of ``max_tokens`` each; each step gives every unfinished request up to
+    ``per_step`` tokens (more than one is what a step with accepted draft tokens gives)."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_step: int = 1) -> None:
         self.left: dict[str, int] = {}
+        self.per_step = per_step
 
     def add_request(self, prompt, params):
         rid = str(len(self.left))
@@ -64,8 +66,10 @@ class _FakeEngine:
         outs = []
         for rid, left in self.left.items():
             if left:
-                self.left[rid] = left - 1
-                outs.append(SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(token_ids=[1])]))
+                n = min(left, self.per_step)
+                self.left[rid] = left - n
+                out = SimpleNamespace(token_ids=[1] * n, delta_token_ids=[1] * n)
+                outs.append(SimpleNamespace(request_id=rid, outputs=[out]))
         return outs
 
 
@@ -73,6 +77,9 @@ def test_offline_benches_advance_by_generated_tokens():
     counter = _Counter()
     result = measure_iteration(_FakeEngine(), [[5, 6], [7, 8]], 3, counter)
     assert counter.n == 6 and result["steps"] == 3
+    counter = _Counter()
+    result = measure_iteration(_FakeEngine(per_step=2), [[5, 6], [7, 8]], 3, counter)
+    assert counter.n == 6 and result["steps"] == 2
 
 
 def test_bench_serve_advances_by_finished_requests():
