@@ -100,6 +100,17 @@ def register_schedulers(register):
 
 
 @hookspec
+def register_router_policies(register):
+    """Register routing policies of ``fastdeploy router``: ``register("mine", PolicyClass)``.
+
+    The name is what ``--policy`` / ``--prefill-policy`` / ``--decode-policy`` take; the class
+    (or a ``"module:Class"`` string, imported only when chosen) subclasses
+    :class:`fastdeploy_core.router.policies.Policy` and is built with no arguments, one
+    instance per policy flag for the router's lifetime.
+    """
+
+
+@hookspec
 def register_proposers(register):
     """Register speculative-decoding proposers: ``register("ngram", ProposerClass)``.
 

@@ -53,6 +53,7 @@ HOOK_NAMES = (
     "register_quantizers",
     "register_schedulers",
     "register_proposers",
+    "register_router_policies",
     "register_guided_backends",
     "register_tool_parsers",
     "register_reasoning_parsers",
@@ -134,6 +135,10 @@ def import_target(target: Any) -> Any:
     return getattr(module, attr) if attr else module
 
 
+def _singular(plural: str) -> str:
+    return plural[:-3] + "y" if plural.endswith("ies") else plural[:-1]
+
+
 def registered_subclass(
     registry: Registry, name: str, base: type, *, param: str, what: str, hook: str, doc: str,
     unprovided: dict[str, str] | None = None, listed: str | None = None, unprovided_label: str = "",
@@ -156,7 +161,7 @@ def registered_subclass(
         hint = (
             f"FastDeploy's {name!r}{' ' + unprovided_label if unprovided_label else ''}: {why}"
             if why
-            else f"a third-party {listed[:-1] if listed else what} is a package registering it through {hook} ({doc}); "
+            else f"a third-party {_singular(listed) if listed else what} is a package registering it through {hook} ({doc}); "
             "install it, or pick a registered one"
         )
         raise ConfigError(
@@ -190,6 +195,8 @@ class PluginManager:
         self.schedulers: Registry[type] = Registry("scheduler")
         #: speculative-decoding method name -> Proposer class or "module:Class"
         self.proposers: Registry[Any] = Registry("speculative decoding method")
+        #: router policy name -> Policy class or "module:Class"
+        self.router_policies: Registry[Any] = Registry("router policy")
         self.guided_backends: Registry[Any] = Registry("guided decoding backend")
         self.tool_parsers: Registry[Any] = Registry("tool call parser")
         self.reasoning_parsers: Registry[Any] = Registry("reasoning parser")
@@ -263,6 +270,7 @@ class PluginManager:
                 "register_quantizers": self.quantizers,
                 "register_schedulers": self.schedulers,
                 "register_proposers": self.proposers,
+                "register_router_policies": self.router_policies,
                 "register_guided_backends": self.guided_backends,
                 "register_tool_parsers": self.tool_parsers,
                 "register_reasoning_parsers": self.reasoning_parsers,

@@ -50,6 +50,14 @@ BUILTIN_PROPOSERS: dict[str, str] = {
 }
 
 
+@hookimpl
+def register_router_policies(register):
+    from fastdeploy_core.router.policies import BUILTIN_POLICIES
+
+    for name, cls in BUILTIN_POLICIES.items():
+        register(name, cls)
+
+
 #: The core's guided-decoding backends, imported when one is chosen (``--guided-decoding-backend``).
 BUILTIN_GUIDED_BACKENDS: dict[str, str] = {
     "guidance": "fastdeploy_core.guided.llguidance_backend:LLGuidanceBackend",

@@ -14,7 +14,6 @@ goes to the least loaded instance.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastdeploy_core.errors import ConfigError
@@ -182,8 +181,9 @@ class CacheAwarePolicy(Policy):
         self.tree.insert(request.text, instance.key)
 
 
-#: Policy name -> factory. The names are FastDeploy's router's.
-POLICIES: dict[str, Callable[[], Policy]] = {
+#: The router's own policies, by FastDeploy's router's names. The core registers them through
+#: ``register_router_policies`` as a plugin registers its own.
+BUILTIN_POLICIES: dict[str, type[Policy]] = {
     "random": RandomPolicy,
     "round_robin": RoundRobinPolicy,
     "power_of_two": PowerOfTwoPolicy,
@@ -193,9 +193,18 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 }
 
 
-def make_policy(name: str, param: str = "policy") -> Policy:
-    """A fresh policy by name; an unknown name is a ConfigError listing the known ones."""
-    factory = POLICIES.get(name)
-    if factory is None:
-        raise ConfigError(f"{param}: unknown policy {name!r}; choose one of {', '.join(POLICIES)}", param=param)
-    return factory()
+def make_policy(name: str, param: str = "policy", manager=None) -> Policy:
+    """A fresh policy by name: the router's own, or one a plugin registered through
+    ``register_router_policies``. An unknown name is a ConfigError listing the registered ones.
+
+    The router's own names are found without loading the plugins (which imports Paddle), so a
+    router on built-in policies starts light; ``manager`` (tests) looks every name up there."""
+    cls = BUILTIN_POLICIES.get(name) if manager is None else None
+    if cls is None:
+        from fastdeploy_core.plugins import get_plugin_manager, registered_subclass
+
+        cls = registered_subclass(
+            (manager or get_plugin_manager()).router_policies, name, Policy, param=param, what="router policy",
+            hook="register_router_policies", doc="docs/writing-a-plugin.md", listed="policies",
+        )
+    return cls()

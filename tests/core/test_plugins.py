@@ -148,10 +148,13 @@ def test_plugins_json_command_lists_every_plugin():
     assert rows["builtin"]["registered"]["devices"][0] == "cpu"
     assert rows["llama"]["version"] == "0.1.0"
     assert set(rows["llama"]["registered"]) == {
-        "devices", "models", "quantizers", "schedulers", "proposers", "guided_backends", "tool_parsers",
-        "reasoning_parsers",
+        "devices", "models", "quantizers", "schedulers", "proposers", "router_policies", "guided_backends",
+        "tool_parsers", "reasoning_parsers",
     }
     assert rows["builtin"]["registered"]["proposers"] == ["ngram"]
+    assert rows["builtin"]["registered"]["router_policies"] == [
+        "random", "round_robin", "power_of_two", "request_num", "process_tokens", "cache_aware",
+    ]
     assert rows["builtin"]["registered"]["guided_backends"] == ["guidance"]
     assert rows["builtin"]["registered"]["reasoning_parsers"] == ["deepseek_r1", "qwen3"]
 

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
 import random
 import time
+import types
 
 import pytest
 
+from fastdeploy_core import PLUGIN_API_VERSION
 from fastdeploy_core.errors import ConfigError
+from fastdeploy_core.hookspecs import hookimpl
+from fastdeploy_core.plugins import PluginManager, load_plugins
 from fastdeploy_core.router.instances import DuplicateInstanceError, Instance, InstanceInfo, InstanceRegistry
 from fastdeploy_core.router.policies import (
     CacheAwarePolicy,
+    Policy,
     PowerOfTwoPolicy,
     PrefixTree,
     RoundRobinPolicy,
@@ -50,6 +56,54 @@ def test_unknown_policy_names_the_known_ones():
     with pytest.raises(ConfigError, match="round_robin") as info:
         make_policy("fastest", "decode_policy")
     assert info.value.param == "decode_policy"
+    assert "a third-party policy is a package registering it through register_router_policies" in info.value.message
+
+
+class HighestPortPolicy(Policy):
+    """A plugin's policy for the registry test: always the instance on the highest port."""
+
+    def select(self, candidates, request):
+        return max(candidates, key=lambda inst: inst.info.port)
+
+
+def _manager_with(module) -> PluginManager:
+    manager = load_plugins()
+    fresh = PluginManager()
+    for info in manager.plugins:  # the installed plugins, then the test's
+        fresh.add_plugin(importlib.import_module(info.module), info.name, info.distribution, info.version)
+    fresh.add_plugin(module, module.__name__, module.__name__.replace("_", "-"), "1.0")
+    fresh.run_registration_hooks()
+    return fresh
+
+
+def _plugin(name: str, target) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.FD_PLUGIN_API_VERSION = PLUGIN_API_VERSION
+
+    @hookimpl
+    def register_router_policies(register):
+        register("highest_port", target)
+
+    module.register_router_policies = register_router_policies
+    return module
+
+
+def test_a_plugin_registers_a_policy_through_the_hook():
+    manager = _manager_with(_plugin("fd_highest", HighestPortPolicy))
+    assert manager.router_policies.entry("highest_port").distribution == "fd-highest"
+    assert manager.router_policies.entry("cache_aware").distribution == "fastdeploy-core"
+    policy = make_policy("highest_port", manager=manager)
+    assert policy.select([inst(3), inst(9, in_flight=4), inst(5)], req()).info.port == 9
+    assert isinstance(make_policy("round_robin", manager=manager), RoundRobinPolicy)
+    with pytest.raises(ConfigError, match="registered policies: cache_aware .*highest_port \\(fd-highest\\)"):
+        make_policy("fastest", "policy", manager=manager)
+
+
+def test_a_registered_non_policy_is_refused():
+    manager = _manager_with(_plugin("fd_notapolicy", dict))
+    with pytest.raises(ConfigError, match="not a fastdeploy_core.router.policies.Policy subclass") as info:
+        make_policy("highest_port", "prefill_policy", manager=manager)
+    assert info.value.param == "prefill_policy"
 
 
 def test_prefix_tree_matches_whole_chunks_per_owner():
@@ -83,3 +137,20 @@ def test_registry_refreshes_refuses_a_second_role_and_expires():
     time.sleep(0.3)
     assert registry.counts() == {"mixed": 0, "prefill": 0, "decode": 0}
     assert registry.removed_total == 1
+
+
+def test_the_guides_policy_snippet_runs_as_written():
+    """docs/writing-a-plugin.md section 5, executed: it registers a policy that picks the
+    instance with the fewest tokens in flight."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "writing-a-plugin.md").read_text(encoding="utf-8")
+    section = doc[doc.index("## 5. A routing policy") :]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "writing-a-plugin.md", "exec"), namespace)
+    registered = {}
+    namespace["register_router_policies"](lambda name, cls: registered.setdefault(name, cls))
+    policy = registered["least_tokens"]()
+    assert isinstance(policy, Policy)
+    assert policy.select([inst(1, tokens=50), inst(2, tokens=7), inst(3, tokens=9)], req()).info.port == 2
