@@ -14,11 +14,16 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 status=0
 "$VENV/bin/python" -m pytest "$@" || status=$?
 # The PaddleFormers generation the default install does not use (1.x: Llama, Phi3, ERNIE-4.5)
-# gets the fallback's tests in a virtualenv of its own (~5 min to build once, ~6 min to run);
-# it runs with the whole suite (no pytest arguments); FD_SKIP_OTHER_PADDLEFORMERS=1 skips it.
-if [ "$#" -eq 0 ] && [ "${FD_SKIP_OTHER_PADDLEFORMERS:-0}" != "1" ]; then
+# gets the fallback's tests in a virtualenv of its own (~5 min to build once, ~1-2 min to run);
+# it runs with the whole suite: when every argument is an option (-q, -x, ...), not when a
+# test path or an option's value (-k EXPR) chooses tests. FD_SKIP_OTHER_PADDLEFORMERS=1 skips it.
+whole_suite=1
+for arg in "$@"; do
+  case "$arg" in -*) ;; *) whole_suite=0 ;; esac
+done
+if [ "$whole_suite" = 1 ] && [ "${FD_SKIP_OTHER_PADDLEFORMERS:-0}" != "1" ]; then
   OTHER="${VENV}-paddleformers1"
   FD_VENV="$OTHER" FD_PADDLEFORMERS=1.2.0 bash scripts/setup_env.sh test
-  "$OTHER/bin/python" -m pytest plugins/fd-paddleformers/tests || status=$?
+  "$OTHER/bin/python" -m pytest "$@" plugins/fd-paddleformers/tests || status=$?
 fi
 exit "$status"
