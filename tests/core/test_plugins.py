@@ -151,7 +151,7 @@ def test_plugins_json_command_lists_every_plugin():
         "devices", "models", "quantizers", "schedulers", "proposers", "guided_backends", "tool_parsers",
         "reasoning_parsers",
     }
-    assert rows["builtin"]["registered"]["proposers"] == ["ngram"]
+    assert rows["builtin"]["registered"]["proposers"] == ["ngram", "draft_model"]
     assert rows["builtin"]["registered"]["guided_backends"] == ["guidance"]
     assert rows["builtin"]["registered"]["reasoning_parsers"] == ["deepseek_r1", "qwen3"]
 
