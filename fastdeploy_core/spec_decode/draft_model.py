@@ -133,6 +133,11 @@ class DraftModelProposer(Proposer):
         self.max_num_batched_tokens = self.runner.max_num_batched_tokens
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() takes block 0 first
         self._states: dict[str, _DraftState] = {}
+        logger.info(
+            "speculative draft: %s (quantization %s), its own KV cache of %d blocks, graph capture: %s",
+            self.runner.source.path, config.quantization or "as stored", self.num_blocks,
+            self.runner.describe()["graph_capture"],
+        )
 
     # ---- loading ---------------------------------------------------------------------------
     def _load(self, args: EngineArgs):
