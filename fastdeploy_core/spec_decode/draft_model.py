@@ -141,8 +141,10 @@ class DraftModelProposer(Proposer):
 
     # ---- loading ---------------------------------------------------------------------------
     def _load(self, args: EngineArgs):
+        from fastdeploy_core.devices.current import current_ops, set_current_ops
         from fastdeploy_core.executor.model_runner import ModelRunner
 
+        target_ops = current_ops()  # the draft's runner installs its own table; the target's goes back
         try:
             return ModelRunner(args, self.context.plugin_manager)
         except FastDeployError as exc:
@@ -156,6 +158,8 @@ class DraftModelProposer(Proposer):
                 f"speculative_config.{key}: the draft model could not be set up: {exc.message}",
                 param=f"speculative_config.{key}",
             ) from exc
+        finally:
+            set_current_ops(target_ops)
 
     def _check_vocabulary(self) -> None:
         """Refuse a draft whose token ids mean other tokens than the target's."""

@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import pytest
 
 from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.devices.current import current_ops
 from fastdeploy_core.engine.engine_core import EngineCore
 from fastdeploy_core.engine.outputs import EngineCoreRequest
 from fastdeploy_core.engine.sampling_params import SamplingParams
@@ -126,6 +127,7 @@ def test_self_draft_gives_the_tokens_of_speculation_off(models, reference, quant
     settings = SETTINGS[setting]
     spec = {"method": "draft_model", "num_speculative_tokens": 3, "quantization": quantization}
     core = make_core(models["target"], spec, **settings)
+    assert current_ops() is core.runner.ops  # loading the draft left the target's ops table installed
     assert run(core, batch()) == reference(settings)
     stats = core.get_stats()
     assert stats["spec_decode_method"] == "draft_model"
