@@ -181,9 +181,9 @@ def test_the_draft_cache_is_freed_on_abort_and_preemption(models):
     assert_draft_cache_empty(core)
 
 
-def _proposer(models, spec: dict, **kw) -> DraftModelProposer:
+def _proposer(models, spec: dict, num_blocks: int = 64, **kw) -> DraftModelProposer:
     args = EngineArgs.create(model=models["target"], max_model_len=96, block_size=4, speculative_config=spec, **kw)
-    proposer = build_proposer(args, vocab_size=128, max_model_len=96, num_blocks=64)
+    proposer = build_proposer(args, vocab_size=128, max_model_len=96, num_blocks=num_blocks)
     assert isinstance(proposer, DraftModelProposer)
     return proposer
 
@@ -209,6 +209,24 @@ def test_rejected_drafts_are_rolled_back(models):
     assert same == fresh.propose([DraftRequest("r2", context + again[:3], len(PROMPTS[1]), 1)])[0]
     kept.forget("r")
     assert kept.num_free_blocks == kept.num_blocks
+
+
+def test_a_request_the_draft_pool_cannot_hold_gets_no_draft(models):
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "quantization": "wint8"}
+    proposer = _proposer(models, spec, num_blocks=8)  # the pool: one sequence of max_model_len, 24 blocks
+    assert proposer.num_blocks == 24
+    long = [(7 * i) % 128 for i in range(80)]
+    first, second = proposer.propose([DraftRequest("a", long, 80, 3), DraftRequest("b", long[:40], 40, 3)])
+    assert len(first) == 3 and second == []  # "a" holds 21 blocks; "b" would need 11
+    assert "b" not in proposer._states and proposer.num_free_blocks == 3
+    proposer.forget("a")
+    assert proposer.propose([DraftRequest("b", long[:40], 40, 3)])[0] == first_guesses(models, spec, long[:40])
+    proposer.forget("b")
+    assert proposer.num_free_blocks == 24
+
+
+def first_guesses(models, spec: dict, tokens: list[int]) -> list[int]:
+    return _proposer(models, spec).propose([DraftRequest("x", tokens, len(tokens), 3)])[0]
 
 
 def test_long_catch_up_is_chunked_by_the_step_budget(models):
