@@ -109,11 +109,14 @@ def main() -> None:
         f"ngram k={args.ngram_k}": {"method": "ngram", "num_speculative_tokens": args.ngram_k},
     }
     for k in (int(k) for k in args.draft_k.split(",")):
-        specs[f"self-draft wint4 k={k}"] = {"method": "draft_model", "quantization": "wint4", "num_speculative_tokens": k}
+        specs[f"self-draft wint4 k={k}"] = {
+            "method": "draft_model", "quantization": "wint4", "num_speculative_tokens": k,
+        }
     engines = {name: LLM(**common, speculative_config=spec) for name, spec in specs.items()}
     stamp = run_stamp()
     load_before = os.getloadavg()
-    print(f"# speculative decoding, batch 1, default model (float32 target), {args.tokens} tokens, {args.rounds} rounds")
+    print(f"# speculative decoding, batch 1, default model (float32 target), {args.tokens} tokens, "
+          f"{args.rounds} rounds")
     print(f"# {stamp['date']}, {stamp['cpu_model']}, {stamp['cpus']} cpus, OMP_NUM_THREADS="
           f"{os.environ['OMP_NUM_THREADS']}, load average {load_before[0]:.1f} {load_before[1]:.1f} (shared machine)")
     results: dict[str, dict] = {}
@@ -151,7 +154,8 @@ def main() -> None:
             extra = (f"; acceptance {accepted}/{drafts} = {row['acceptance_rate']:.2f}, "
                      f"{row['tokens_per_speculative_step']} tokens/step") if specs[name] else ""
             print(f"{workload} | {name}: identical {row['identical_tokens']}; decode tok/s wall {wall:.1f} "
-                  f"({row['speedup_wall']:.2f}x), per CPU-second {cpu:.1f} ({row['speedup_per_cpu_second']:.2f}x){extra}",
+                  f"({row['speedup_wall']:.2f}x), per CPU-second {cpu:.1f} "
+                  f"({row['speedup_per_cpu_second']:.2f}x){extra}",
                   flush=True)
         results[workload] = rows
     load_after = os.getloadavg()

@@ -119,7 +119,8 @@ class DraftModelProposer(Proposer):
             raise ConfigError(
                 "speculative_config: method 'draft_model' needs a draft: give speculative_config.model (a smaller "
                 'checkpoint sharing the target\'s vocabulary) or speculative_config.quantization (e.g. "wint4": the '
-                "target's own checkpoint, quantized); the target itself as its own draft would cost a full step per guess",
+                "target's own checkpoint, quantized); the target itself as its own draft would cost a full step "
+                "per guess",
                 param="speculative_config.model",
             )
         target = context.engine_args
