@@ -193,21 +193,28 @@ class SpeculativeConfig(_Section):
     """Speculative decoding: FastDeploy's ``--speculative-config`` JSON keys.
 
     ``method`` names a proposer registered through the ``register_proposers`` hook (the core
-    registers ``ngram``); it is looked up when the engine starts, like ``--scheduler-name``,
-    so a plugin's proposer is configured the same way. ``None`` (the default) decodes one
-    token per step. Only the keys a registered method reads are accepted: the other keys of
+    registers ``ngram`` and ``draft_model``); it is looked up when the engine starts, like
+    ``--scheduler-name``, so a plugin's proposer is configured the same way. ``None`` (the
+    default) decodes one token per step. A key the chosen method does not read (``model`` for
+    ``ngram``) is refused when the engine starts (``Proposer.reads``); the other keys of
     FastDeploy's section (``mtp_strategy``, ``verify_window``, ``suffix_*``, ...) are unknown
     settings here.
     """
 
-    method: str | None = Field(None, min_length=1, description="registered proposer name, e.g. ngram")
+    method: str | None = Field(None, min_length=1, description="registered proposer name, ngram or draft_model")
     num_speculative_tokens: int = Field(
         1, ge=1, le=8, description="draft tokens proposed per step for each speculating request"
     )
     max_ngram_size: int = Field(5, ge=1, le=64, description="ngram: the longest suffix looked up in the context")
     min_ngram_size: int = Field(2, ge=1, le=64, description="ngram: the shortest suffix looked up")
-    model: str | None = Field(None, description="draft_model: the draft's checkpoint")
-    quantization: str | None = Field(None, description="draft_model: the draft's quantization method")
+    model: str | None = Field(
+        None,
+        description="draft_model: the draft's checkpoint (HF directory or .gguf) sharing the target's vocabulary; "
+        "None: the target's own checkpoint (a self-draft, which needs quantization)",
+    )
+    quantization: str | None = Field(
+        None, description='draft_model: how the draft\'s weights are quantized (e.g. "wint4", "wint8"); None: as stored'
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> SpeculativeConfig:
@@ -216,12 +223,6 @@ class SpeculativeConfig(_Section):
                 f"min_ngram_size ({self.min_ngram_size}) is above max_ngram_size ({self.max_ngram_size}); "
                 "the ngram proposer looks up suffixes from max_ngram_size down to min_ngram_size tokens"
             )
-        for key in ("model", "quantization"):
-            if getattr(self, key) is not None:
-                raise ValueError(
-                    f"{key}: only a draft-model method reads it, and none is implemented yet (registered "
-                    'methods draft from the context: "ngram"); drop speculative_config.' + key
-                )
         if self.method is None:
             fields = type(self).model_fields
             changed = sorted(k for k in self.model_fields_set if getattr(self, k) != fields[k].default)

@@ -47,6 +47,7 @@ def register_schedulers(register):
 #: The core's speculative-decoding proposers, imported when one is configured.
 BUILTIN_PROPOSERS: dict[str, str] = {
     "ngram": "fastdeploy_core.spec_decode.ngram:NgramProposer",
+    "draft_model": "fastdeploy_core.spec_decode.draft_model:DraftModelProposer",
 }
 
 

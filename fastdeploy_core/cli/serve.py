@@ -97,7 +97,7 @@ def serve(
     device: str | None = typer.Option(None, "--device", help="Device name or auto."),
     use_cudagraph: bool | None = typer.Option(None, "--use-cudagraph/--no-use-cudagraph", help="Capture decode steps and replay them (default: on; on cpu the kernel calls are replayed from C++)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Never capture: run every step's Python forward (vLLM's flag)."),
-    speculative_config: str | None = typer.Option(None, "--speculative-config", help='Speculative decoding, FastDeploy JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: `fastdeploy plugins`; greedy requests speculate, others decode as usual).'),
+    speculative_config: str | None = typer.Option(None, "--speculative-config", help='Speculative decoding, FastDeploy JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"method": "draft_model", "num_speculative_tokens": 3, "quantization": "wint4"}\' ("model": a draft sharing the tokenizer; without it the target\'s own checkpoint, quantized) (methods: `fastdeploy plugins`; greedy requests speculate, others decode as usual).'),
     graph_optimization_config: str | None = typer.Option(None, "--graph-optimization-config", help='FastDeploy JSON, e.g. \'{"use_cudagraph": true, "cudagraph_capture_sizes": [1, 2, 4]}\'.'),
     api_key: list[str] | None = typer.Option(None, "--api-key", help="Accepted API key (repeatable); also env FD_API_KEY (comma-separated)."),
     max_concurrency: int | None = typer.Option(None, "--max-concurrency", help="Requests in the server at once; more get 429 (default: 512)."),

@@ -239,7 +239,9 @@ class EngineCore:
         self.eos_token_ids = self._model_eos_ids()
         from fastdeploy_core.spec_decode import build_proposer
 
-        self.proposer = build_proposer(args, self.vocab_size, self.max_model_len, plugin_manager)
+        self.proposer = build_proposer(
+            args, self.vocab_size, self.max_model_len, plugin_manager, num_blocks=self.runner.num_blocks
+        )
         self._seed_sequence = np.random.SeedSequence(args.model.seed)
         self._choices: dict[str, list[str]] = {}  # request id -> core ids of its choices
         self._parent: dict[str, str] = {}  # core id -> request id
@@ -379,6 +381,8 @@ class EngineCore:
                 guided_steps.wait_for_grammars(self)
             return failed
         if self.proposer is not None:
+            for req in batch.preempted:  # recomputed later from scratch: its draft state goes now
+                self.proposer.forget(req.request_id)
             self._add_drafts(batch)
         started = time.perf_counter()
         masks = guided_steps.bitmasks(self.guided, batch) if self.guided is not None else None

@@ -90,6 +90,8 @@ class LLM:
         engine = self.__dict__.pop("_engine", None)
         if engine is not None:
             engine.core.runner.close()
+            if engine.core.proposer is not None:
+                engine.core.proposer.close()
 
     def __enter__(self) -> Self:
         return self

@@ -7,8 +7,8 @@ the runner computes the target's own token at each of the ``k + 1`` positions, a
 prefix of the guesses the target agrees with is kept, plus the target's token after it. So a
 proposer changes how many tokens a step yields, never which tokens.
 
-Proposers are registered through the ``register_proposers`` hook (the core's own ``ngram`` in
-``fastdeploy_core/builtin/plugin.py``) and chosen by ``--speculative-config``'s ``method``.
+Proposers are registered through the ``register_proposers`` hook (the core's own ``ngram`` and
+``draft_model`` in ``fastdeploy_core/builtin/plugin.py``) and chosen by ``--speculative-config``'s ``method``.
 """
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ class ProposerContext:
     engine_args: EngineArgs
     vocab_size: int
     max_model_len: int
+    #: The target's KV cache blocks (a proposer with a cache of its own sizes it by this); None
+    #: when no target runner exists (a proposer built alone, in tests).
+    num_blocks: int | None = None
+    #: The engine's plugin manager (a proposer that loads a model builds it through the same
+    #: registries); None: the process's default one.
+    plugin_manager: Any = None
 
 
 class Proposer(ABC):
@@ -76,7 +82,12 @@ class Proposer(ABC):
         """Draft tokens for each request, in order: at most ``max_tokens`` each, ``[]`` for none."""
 
     def forget(self, request_id: str) -> None:
-        """The request finished or was preempted: drop any state kept for it (none by default)."""
+        """The request finished, was aborted or was preempted: drop any state kept for it (none
+        by default). A preempted request may ask for drafts again later, from scratch."""
+
+    def close(self) -> None:
+        """Free what the proposer holds (a model, a cache) now, as ``LLM.close()`` does for the
+        target; none by default. The proposer is not used afterwards."""
 
     def describe(self) -> dict[str, Any]:
         """Settings for ``/config-info``."""

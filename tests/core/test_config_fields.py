@@ -86,8 +86,11 @@ FIELDS: dict[tuple[str, str], tuple] = {
     ("speculative", "num_speculative_tokens"): read(CORE, "self.args.speculative.num_speculative_tokens"),
     ("speculative", "max_ngram_size"): read("spec_decode/ngram.py", "cfg.max_ngram_size"),
     ("speculative", "min_ngram_size"): read("spec_decode/ngram.py", "cfg.min_ngram_size"),
-    ("speculative", "model"): refused("/draft", "only a draft-model method reads it", "speculative_config"),
-    ("speculative", "quantization"): refused("wint4", "only a draft-model method reads it", "speculative_config"),
+    # Read by the draft_model proposer; refused for methods that do not read them (Proposer.reads).
+    ("speculative", "model"): read("spec_decode/draft_model.py", '"model": config.model if config.model is not None'),
+    ("speculative", "quantization"): read(
+        "spec_decode/draft_model.py", "QuantizationConfig(quantization=config.quantization)"
+    ),
     ("graph_opt", "use_cudagraph"): read(CONFIG, "return self.use_cudagraph and not self.enforce_eager"),
     ("graph_opt", "enforce_eager"): read(CONFIG, "return self.use_cudagraph and not self.enforce_eager"),
     ("graph_opt", "cudagraph_capture_sizes"): read(RUNNER, "graph_opt.cudagraph_capture_sizes"),

@@ -55,8 +55,8 @@ def test_speculation_off_builds_no_proposer():
     "spec, says",
     [
         ({"method": "mtp"}, ("speculative_config.method: no speculative decoding method 'mtp' is registered; "
-                             "registered methods: ngram (fastdeploy-core); FastDeploy's 'mtp': multi-token-prediction")),
-        ({"method": "draft_model"}, "FastDeploy's 'draft_model': a separate draft model is not implemented here yet"),
+                             "registered methods: draft_model (fastdeploy-core), ngram (fastdeploy-core); "
+                             "FastDeploy's 'mtp': multi-token-prediction")),
         ({"method": "eagle9"}, "a third-party method is a package registering it through register_proposers"),
     ],
 )
@@ -77,7 +77,6 @@ def test_unregistered_methods_are_refused_listing_the_registered_ones(spec, says
         ({"method": "ngram", "min_ngram_size": 4, "max_ngram_size": 2}, "min_ngram_size (4) is above max_ngram_size (2)",
          "speculative_config"),
         ({"num_speculative_tokens": 3}, "num_speculative_tokens given without a method", "speculative_config"),
-        ({"method": "ngram", "model": "/draft"}, "model: only a draft-model method reads it", "speculative_config"),
         ({"method": "ngram", "verify_window": 2}, "speculative_config.verify_window: unknown setting",
          "speculative_config.verify_window"),
     ],

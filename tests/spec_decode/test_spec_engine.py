@@ -17,6 +17,7 @@ from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.engine.engine_core import EngineCore
 from fastdeploy_core.engine.outputs import EngineCoreRequest
 from fastdeploy_core.engine.sampling_params import SamplingParams
+from fastdeploy_core.spec_decode.draft_model import DraftModelProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "min_ngram_size": 1, "max_ngram_size": 3}
 PROMPTS = [
@@ -120,7 +121,16 @@ def test_speculation_runs_beside_captured_decode_steps(tiny):
 
 
 @pytest.mark.slow
-def test_default_model_16_chat_and_raw_requests_match_speculation_off():
+@pytest.mark.parametrize(
+    "spec, least_accepted",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 4}, 20),
+        # a self-draft: the default model's own GGUF loaded as wint4
+        ({"method": "draft_model", "num_speculative_tokens": 3, "quantization": "wint4"}, 200),
+    ],
+    ids=["ngram", "draft_model"],
+)
+def test_default_model_16_chat_and_raw_requests_match_speculation_off(spec, least_accepted):
     from fastdeploy_core import LLM
 
     text = ("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
@@ -142,14 +152,17 @@ def test_default_model_16_chat_and_raw_requests_match_speculation_off():
     params = SamplingParams(temperature=0, max_tokens=48)
     stop = SamplingParams(temperature=0, max_tokens=48, stop=["fib(3)"])
     outs = {}
-    for name, spec in (("off", None), ("on", {"method": "ngram", "num_speculative_tokens": 4})):
-        llm = LLM(max_model_len=1024, num_gpu_blocks_override=64, max_num_seqs=16, speculative_config=spec)
+    for name, on in (("off", None), ("on", spec)):
+        llm = LLM(max_model_len=1024, num_gpu_blocks_override=64, max_num_seqs=16, speculative_config=on)
         got = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
         got += [o.outputs[0].token_ids for o in llm.generate(raws, params, use_tqdm=False)]
         got.append(llm.generate(text, stop, use_tqdm=False)[0].outputs[0].text)
         outs[name] = got
-        if spec:
+        if on:
             stats = llm.engine.get_stats()
-            assert stats["spec_decode_num_accepted_tokens_total"] > 20, stats
-        del llm
+            assert stats["spec_decode_num_accepted_tokens_total"] > least_accepted, stats
+            if isinstance(llm.engine.core.proposer, DraftModelProposer):
+                proposer = llm.engine.core.proposer
+                assert proposer.num_free_blocks == proposer.num_blocks  # every request's draft blocks freed
+        llm.close()
     assert outs["on"] == outs["off"]

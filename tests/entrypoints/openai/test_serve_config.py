@@ -63,7 +63,8 @@ def test_api_keys_from_flags_and_env(monkeypatch):
         ("scheduler_name", "nosuch", ("scheduler_name: no scheduler 'nosuch' is registered; registered schedulers: "
                                       "global (fastdeploy-core), local (fastdeploy-core)")),
         ("speculative_config", {"method": "mtp"}, ("speculative_config.method: no speculative decoding method 'mtp' "
-                                                    "is registered; registered methods: ngram (fastdeploy-core)")),
+                                                    "is registered; registered methods: draft_model (fastdeploy-core), "
+                                                    "ngram (fastdeploy-core)")),
         ("speculative_config", {"method": "ngram", "num_speculative_tokens": 0},
          "speculative_config.num_speculative_tokens: got 0; must be >= 1"),
     ],

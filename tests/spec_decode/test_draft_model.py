@@ -1,0 +1,302 @@
+"""``draft_model`` speculative decoding: tokens identical to speculation off, the draft's own
+cache rewound on rejection and freed with its requests, and the refusals of bad drafts.
+
+Tiny random Llamas built here: the target (vocabulary 128), a smaller draft sharing its
+vocabulary, and one whose vocabulary differs. A self-draft is the target's checkpoint quantized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import pytest
+
+from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.devices.current import current_ops
+from fastdeploy_core.engine.engine_core import EngineCore
+from fastdeploy_core.engine.outputs import EngineCoreRequest
+from fastdeploy_core.engine.sampling_params import SamplingParams
+from fastdeploy_core.errors import ConfigError
+from fastdeploy_core.spec_decode import DraftRequest, build_proposer, proposer_class
+from fastdeploy_core.spec_decode.draft_model import DraftModelProposer
+
+PROMPTS = [
+    [5, 9, 17, 33, 2, 7, 100, 64, 3, 5, 9, 17, 33, 2],
+    [5, 9, 17, 33, 2, 7, 100, 64, 3, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57],
+    [1],
+    [90, 91, 92, 93, 94, 95, 96, 97, 90, 91, 92, 93, 94, 95, 96, 97, 90, 91],
+    [12, 12, 12, 12, 30],
+]
+
+
+def _llama(path: str, seed: int, vocab: int = 128, hidden: int = 64, layers: int = 2) -> str:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft_models")
+    return {
+        "target": _llama(str(root / "target"), 0),
+        "small": _llama(str(root / "small"), 1, hidden=32, layers=1),
+        "other_vocab": _llama(str(root / "other_vocab"), 2, vocab=96, hidden=32, layers=1),
+    }
+
+
+def make_core(path: str, spec: dict | None, **kw) -> EngineCore:
+    settings = {"model": path, "max_model_len": 96, "block_size": 4, "num_gpu_blocks_override": 256}
+    settings.update(kw)
+    if spec:
+        settings["speculative_config"] = spec
+    return EngineCore(EngineArgs.create(**settings))
+
+
+def assert_draft_cache_empty(core: EngineCore) -> None:
+    proposer = core.proposer
+    if isinstance(proposer, DraftModelProposer):
+        assert proposer.num_free_blocks == proposer.num_blocks, "draft KV blocks leaked"
+        assert not proposer._states
+
+
+def run(core: EngineCore, requests) -> dict:
+    for rid, prompt, params in requests:
+        core.add_request(EngineCoreRequest(rid, prompt, params))
+    outs: dict = {}
+    steps = 0
+    while core.has_unfinished_requests():
+        steps += 1
+        assert steps < 10_000
+        for out in core.step():
+            outs.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks, "KV blocks leaked"
+    assert_draft_cache_empty(core)
+    return outs
+
+
+def greedy(max_tokens: int = 40, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def batch() -> list:
+    """Greedy requests that speculate, beside sampled, penalised and logprob ones that do not."""
+    reqs = [(f"g{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
+    reqs.append(("hot", PROMPTS[0], SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=30)))
+    reqs.append(("pen", PROMPTS[3], greedy(repetition_penalty=1.3)))
+    reqs.append(("lp", PROMPTS[1], greedy(logprobs=2, max_tokens=10)))
+    reqs.append(("n3", PROMPTS[4], SamplingParams(temperature=0, n=3, max_tokens=30, ignore_eos=True)))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Speculation off, per engine setting."""
+    cache: dict = {}
+
+    def get(settings: dict) -> dict:
+        key = json.dumps(settings, sort_keys=True)
+        if key not in cache:
+            cache[key] = run(make_core(models["target"], None, **settings), batch())
+        return cache[key]
+
+    return get
+
+
+SETTINGS = {
+    "plain": {},
+    "preemption": {"num_gpu_blocks_override": 24},  # 96 slots for 11 sequences
+    "chunked": {"max_num_batched_tokens": 8},  # chunked prompts, drafts cut by the step budget
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("quantization", ["wint8", "wint4"])
+def test_self_draft_gives_the_tokens_of_speculation_off(models, reference, quantization, setting):
+    settings = SETTINGS[setting]
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "quantization": quantization}
+    core = make_core(models["target"], spec, **settings)
+    assert current_ops() is core.runner.ops  # loading the draft left the target's ops table installed
+    assert run(core, batch()) == reference(settings)
+    stats = core.get_stats()
+    assert stats["spec_decode_method"] == "draft_model"
+    assert stats["spec_decode_num_accepted_tokens_total"] > 0, stats
+    assert stats["spec_decode_num_draft_tokens_total"] >= stats["spec_decode_num_accepted_tokens_total"]
+    if setting == "preemption":
+        assert stats["num_preemptions"] > 0
+    info = core.config_info()["speculative_config"]
+    assert info["quantization"] == quantization and info["draft"]["model"] == models["target"]
+
+
+@pytest.mark.parametrize("setting", ["plain", "chunked"])
+def test_a_separate_small_draft_gives_the_tokens_of_speculation_off(models, reference, setting):
+    settings = SETTINGS[setting]
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": models["small"]}
+    core = make_core(models["target"], spec, **settings)
+    assert run(core, batch()) == reference(settings)
+    stats = core.get_stats()
+    assert stats["spec_decode_num_draft_tokens_total"] > 0, stats
+    assert core.config_info()["speculative_config"]["draft"]["model"] == models["small"]
+
+
+def test_a_quantized_separate_draft_runs(models, reference):
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": models["small"], "quantization": "wint8"}
+    assert run(make_core(models["target"], spec), batch()) == reference({})
+
+
+def test_the_draft_cache_is_freed_on_abort_and_preemption(models):
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "quantization": "wint8"}
+    core = make_core(models["target"], spec, num_gpu_blocks_override=24)
+    proposer = core.proposer
+    forgotten: list[str] = []
+    forget = proposer.forget
+    proposer.forget = lambda rid: (forgotten.append(rid), forget(rid))[1]
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(EngineCoreRequest(f"g{i}", prompt, greedy(60)))
+    for _ in range(12):
+        core.step()
+    assert proposer._states, "no request is drafting yet"
+    held = sum(len(s.blocks) for s in proposer._states.values())
+    assert proposer.num_free_blocks == proposer.num_blocks - held
+    victim = next(iter(proposer._states))
+    core.abort_requests([victim])
+    assert victim not in proposer._states and victim in forgotten
+    assert proposer.num_free_blocks == proposer.num_blocks - sum(len(s.blocks) for s in proposer._states.values())
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.scheduler.num_preemptions > 0
+    preempted_forgotten = [r for r in forgotten if r != victim]
+    assert len(preempted_forgotten) > len(PROMPTS) - 1  # finished ones, plus preempted ones
+    assert_draft_cache_empty(core)
+
+
+def _proposer(models, spec: dict, num_blocks: int = 64, **kw) -> DraftModelProposer:
+    args = EngineArgs.create(model=models["target"], max_model_len=96, block_size=4, speculative_config=spec, **kw)
+    proposer = build_proposer(args, vocab_size=128, max_model_len=96, num_blocks=num_blocks)
+    assert isinstance(proposer, DraftModelProposer)
+    return proposer
+
+
+def test_rejected_drafts_are_rolled_back(models):
+    """After a rejection the draft's cache rewinds to the agreeing prefix: its next guesses are
+    those of a fresh draft that computed the whole context from scratch."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "quantization": "wint8"}
+    kept, fresh = _proposer(models, spec), _proposer(models, spec)
+    context = list(PROMPTS[1])
+    first = kept.propose([DraftRequest("r", context, len(context), 4)])[0]
+    assert len(first) == 4
+    assert kept._states["r"].fed == context + first[:3]  # the context and the first 3 guesses
+    # The target accepted one guess and then disagreed with the second; steps without drafts
+    # followed (their budget was spent), so the rejected guesses are not the last token.
+    wrong = [(t + 1 + i) % 128 for i, t in enumerate(first[1:3])]
+    context = context + [first[0], *wrong, 77, 78]
+    again = kept.propose([DraftRequest("r", context, len(PROMPTS[1]), 4)])[0]
+    assert again == fresh.propose([DraftRequest("r", context, len(PROMPTS[1]), 4)])[0]
+    assert kept._states["r"].fed == context + again[:3]
+    # a request that guessed nothing new: only its last token is computed again
+    same = kept.propose([DraftRequest("r", context + again[:3], len(PROMPTS[1]), 1)])[0]
+    assert same == fresh.propose([DraftRequest("r2", context + again[:3], len(PROMPTS[1]), 1)])[0]
+    kept.forget("r")
+    assert kept.num_free_blocks == kept.num_blocks
+
+
+def test_a_request_the_draft_pool_cannot_hold_gets_no_draft(models):
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "quantization": "wint8"}
+    proposer = _proposer(models, spec, num_blocks=8)  # the pool: one sequence of max_model_len, 24 blocks
+    assert proposer.num_blocks == 24
+    long = [(7 * i) % 128 for i in range(80)]
+    first, second = proposer.propose([DraftRequest("a", long, 80, 3), DraftRequest("b", long[:40], 40, 3)])
+    assert len(first) == 3 and second == []  # "a" holds 21 blocks; "b" would need 11
+    assert "b" not in proposer._states and proposer.num_free_blocks == 3
+    proposer.forget("a")
+    assert proposer.propose([DraftRequest("b", long[:40], 40, 3)])[0] == first_guesses(models, spec, long[:40])
+    proposer.forget("b")
+    assert proposer.num_free_blocks == 24
+
+
+def first_guesses(models, spec: dict, tokens: list[int]) -> list[int]:
+    return _proposer(models, spec).propose([DraftRequest("x", tokens, len(tokens), 3)])[0]
+
+
+def test_long_catch_up_is_chunked_by_the_step_budget(models):
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": models["small"]}
+    whole = _proposer(models, spec)
+    chunked = _proposer(models, spec, max_num_batched_tokens=5)
+    calls = []
+    execute = chunked.runner.execute_model
+    chunked.runner.execute_model = lambda out: (calls.append(out.num_scheduled_tokens), execute(out))[1]
+    requests = [DraftRequest("a", PROMPTS[1], 20, 2), DraftRequest("b", PROMPTS[3], 18, 2)]
+    assert chunked.propose(requests) == whole.propose(requests)
+    assert max(calls) <= 5 and sum(calls) == len(PROMPTS[1]) + len(PROMPTS[3]) + 2
+
+
+def test_a_draft_with_another_vocabulary_is_refused(models):
+    spec = {"method": "draft_model", "model": models["other_vocab"]}
+    with pytest.raises(ConfigError) as info:
+        make_core(models["target"], spec)
+    assert info.value.param == "speculative_config.model"
+    assert "the draft's vocabulary has 96 tokens, the target's 128" in info.value.message
+
+
+def _with_tokenizer(src: str, dst: str, vocab: list[str]) -> str:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    shutil.copytree(src, dst)
+    tokenizer = Tokenizer(WordLevel({word: i for i, word in enumerate(vocab)}, unk_token=vocab[0]))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(os.path.join(dst, "tokenizer.json"))
+    return dst
+
+
+def test_a_draft_with_another_tokenizer_is_refused(models, tmp_path):
+    words = [f"w{i}" for i in range(128)]
+    target = _with_tokenizer(models["target"], str(tmp_path / "target"), words)
+    same = _with_tokenizer(models["small"], str(tmp_path / "same"), words)
+    other = _with_tokenizer(models["small"], str(tmp_path / "other"), words[1:] + words[:1])
+    core = make_core(target, {"method": "draft_model", "model": same})  # the same tokenizer: accepted
+    assert run(core, [("a", PROMPTS[0], greedy(8))]) == run(make_core(target, None), [("a", PROMPTS[0], greedy(8))])
+    with pytest.raises(ConfigError) as info:
+        make_core(target, {"method": "draft_model", "model": other})
+    assert info.value.param == "speculative_config.model"
+    assert "must share the target's tokenizer" in info.value.message
+    with pytest.raises(ConfigError, match="the draft has no tokenizer to compare"):
+        make_core(target, {"method": "draft_model", "model": models["small"]})
+
+
+@pytest.mark.parametrize(
+    "spec, param, says",
+    [
+        ({"method": "draft_model", "quantization": "wint3"}, "speculative_config.quantization", "wint3"),
+        ({"method": "draft_model"}, "speculative_config.model", "method 'draft_model' needs a draft"),
+        ({"method": "draft_model", "model": "/no/such/draft"}, "speculative_config.model", "/no/such/draft"),
+        ({"method": "draft_model", "quantization": "wint8", "max_ngram_size": 3},
+         "speculative_config.max_ngram_size", "method 'draft_model' does not read it"),
+    ],
+)
+def test_bad_drafts_are_refused_naming_the_key(models, spec, param, says):
+    with pytest.raises(ConfigError) as info:
+        make_core(models["target"], spec)
+    assert info.value.param == param
+    assert says in info.value.message
+
+
+def test_ngram_still_refuses_the_draft_keys():
+    for key, value in (("model", "/draft"), ("quantization", "wint4")):
+        args = EngineArgs.create(speculative_config={"method": "ngram", key: value})
+        with pytest.raises(ConfigError) as info:
+            proposer_class(args.speculative)
+        assert info.value.param == f"speculative_config.{key}"
+        assert "method 'ngram' does not read it" in info.value.message
