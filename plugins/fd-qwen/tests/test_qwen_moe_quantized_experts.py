@@ -11,7 +11,6 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import numpy as np
 import paddle
 import pytest
 import torch
@@ -22,10 +21,7 @@ from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.errors import QuantizationError
 from fastdeploy_core.layers.linear import UnquantizedLinearMethod
-from fastdeploy_core.loader import load_model_weights, resolve_model_source
-from fastdeploy_core.plugins import load_plugins
-from fastdeploy_core.quantization.factory import build_quantizer
-from fastdeploy_core.testing.batches import build_meta
+from fastdeploy_core.testing.perplexity import greedy_sequence, load_model, sequence_perplexity
 
 pytestmark = pytest.mark.usefixtures("restore_ops")
 
@@ -56,42 +52,13 @@ def checkpoint(tmp_path_factory):
     hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**CONFIG)).eval()
     path = str(tmp_path_factory.mktemp("qwen3_moe_quant"))
     hf.save_pretrained(path, safe_serialization=True)
-    with torch.no_grad():
-        prompt = torch.tensor([[1, 5, 17, 33, 8, 60, 42]])
-        sequence = hf.generate(
-            prompt, max_new_tokens=57, min_new_tokens=57, do_sample=False, eos_token_id=None, pad_token_id=0
-        )[0].tolist()
+    sequence = greedy_sequence(hf, [1, 5, 17, 33, 8, 60, 42], 57)
     return path, sequence
 
 
 def _load(path: str, quant: str | None, settings: dict | None = None):
     set_current_ops(ReferenceOps())
-    source = resolve_model_source(path)
-    quant_config = build_quantizer(quant, settings or {}, load_plugins()) if quant else None
-    model = Qwen3MoeForCausalLM(source.hf_config, quant_config=quant_config)
-    model.eval()
-    load_model_weights(model, source)
-    return model
-
-
-def _logits(model, sequence: list[int]) -> np.ndarray:
-    block_size = 16
-    blocks = -(-len(sequence) // block_size) + 1
-    layers, kv_heads, head_dim = model.kv_cache_spec()
-    caches = [
-        (paddle.zeros([blocks, block_size, kv_heads, head_dim]), paddle.zeros([blocks, block_size, kv_heads, head_dim]))
-        for _ in range(layers)
-    ]
-    meta = build_meta([(sequence, 0, list(range(1, blocks)))], block_size)
-    with paddle.no_grad():
-        return model.compute_logits(model(meta, caches)).numpy()
-
-
-def _perplexity(model, sequence: list[int]) -> float:
-    logits = _logits(model, sequence)[:-1].astype(np.float64)
-    logits -= logits.max(axis=-1, keepdims=True)
-    log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-    return float(np.exp(-log_probs[np.arange(len(sequence) - 1), sequence[1:]].mean()))
+    return load_model(Qwen3MoeForCausalLM, path, quant, settings)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +72,7 @@ def _perplexity(model, sequence: list[int]) -> float:
 )
 def test_quantized_experts_perplexity_near_float(checkpoint, quant, settings, codes_dtype, tolerance):
     path, sequence = checkpoint
-    reference = _perplexity(_load(path, None), sequence)
+    reference = sequence_perplexity(_load(path, None), sequence)
     model = _load(path, quant, settings)
     for layer in model.model.layers:
         experts, gate = layer.mlp.experts, layer.mlp.gate
@@ -113,7 +80,7 @@ def test_quantized_experts_perplexity_near_float(checkpoint, quant, settings, co
         assert gate.weight.dtype == paddle.float32 and isinstance(
             gate.quant_method, UnquantizedLinearMethod
         )  # the router stays float32
-    quantized = _perplexity(model, sequence)
+    quantized = sequence_perplexity(model, sequence)
     assert quantized != reference  # the experts really run from their codes
     assert abs(quantized / reference - 1) <= tolerance, (reference, quantized)
 
@@ -121,11 +88,11 @@ def test_quantized_experts_perplexity_near_float(checkpoint, quant, settings, co
 def test_quantized_experts_fail_when_codes_are_wrong(checkpoint):
     """The tolerance can fail: experts whose codes lost their sign give a far worse perplexity."""
     path, sequence = checkpoint
-    reference = _perplexity(_load(path, None), sequence)
+    reference = sequence_perplexity(_load(path, None), sequence)
     model = _load(path, "mix_quant", {"moe_quant_type": "wint8"})
     for layer in model.model.layers:
         layer.mlp.experts.w2_weight.set_value(-layer.mlp.experts.w2_weight)
-    assert abs(_perplexity(model, sequence) / reference - 1) > 0.005
+    assert abs(sequence_perplexity(model, sequence) / reference - 1) > 0.005
 
 
 def test_a_method_that_cannot_store_experts_refuses_the_model(checkpoint):
