@@ -17,87 +17,28 @@ import pytest
 
 from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.devices.current import current_ops
-from fastdeploy_core.engine.engine_core import EngineCore
 from fastdeploy_core.engine.outputs import EngineCoreRequest
-from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.errors import ConfigError
 from fastdeploy_core.spec_decode import DraftRequest, build_proposer, proposer_class
 from fastdeploy_core.spec_decode.draft_model import DraftModelProposer
-
-PROMPTS = [
-    [5, 9, 17, 33, 2, 7, 100, 64, 3, 5, 9, 17, 33, 2],
-    [5, 9, 17, 33, 2, 7, 100, 64, 3, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57],
-    [1],
-    [90, 91, 92, 93, 94, 95, 96, 97, 90, 91, 92, 93, 94, 95, 96, 97, 90, 91],
-    [12, 12, 12, 12, 30],
-]
-
-
-def _llama(path: str, seed: int, vocab: int = 128, hidden: int = 64, layers: int = 2) -> str:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
-    torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
-
+from tests.spec_decode.engine_runs import (
+    PROMPTS,
+    assert_draft_cache_empty,
+    batch,
+    greedy,
+    make_core,
+    run,
+    save_tiny_llama,
+)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("draft_models")
     return {
-        "target": _llama(str(root / "target"), 0),
-        "small": _llama(str(root / "small"), 1, hidden=32, layers=1),
-        "other_vocab": _llama(str(root / "other_vocab"), 2, vocab=96, hidden=32, layers=1),
+        "target": save_tiny_llama(str(root / "target"), 0),
+        "small": save_tiny_llama(str(root / "small"), 1, hidden=32, layers=1),
+        "other_vocab": save_tiny_llama(str(root / "other_vocab"), 2, vocab=96, hidden=32, layers=1),
     }
-
-
-def make_core(path: str, spec: dict | None, **kw) -> EngineCore:
-    settings = {"model": path, "max_model_len": 96, "block_size": 4, "num_gpu_blocks_override": 256}
-    settings.update(kw)
-    if spec:
-        settings["speculative_config"] = spec
-    return EngineCore(EngineArgs.create(**settings))
-
-
-def assert_draft_cache_empty(core: EngineCore) -> None:
-    proposer = core.proposer
-    if isinstance(proposer, DraftModelProposer):
-        assert proposer.num_free_blocks == proposer.num_blocks, "draft KV blocks leaked"
-        assert not proposer._states
-
-
-def run(core: EngineCore, requests) -> dict:
-    for rid, prompt, params in requests:
-        core.add_request(EngineCoreRequest(rid, prompt, params))
-    outs: dict = {}
-    steps = 0
-    while core.has_unfinished_requests():
-        steps += 1
-        assert steps < 10_000
-        for out in core.step():
-            outs.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
-    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks, "KV blocks leaked"
-    assert_draft_cache_empty(core)
-    return outs
-
-
-def greedy(max_tokens: int = 40, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def batch() -> list:
-    """Greedy requests that speculate, beside sampled, penalised and logprob ones that do not."""
-    reqs = [(f"g{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
-    reqs.append(("hot", PROMPTS[0], SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=30)))
-    reqs.append(("pen", PROMPTS[3], greedy(repetition_penalty=1.3)))
-    reqs.append(("lp", PROMPTS[1], greedy(logprobs=2, max_tokens=10)))
-    reqs.append(("n3", PROMPTS[4], SamplingParams(temperature=0, n=3, max_tokens=30, ignore_eos=True)))
-    return reqs
 
 
 @pytest.fixture(scope="module")
