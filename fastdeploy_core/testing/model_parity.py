@@ -28,19 +28,13 @@ def hf_reference(hf_model, prompts: list[list[int]], new_tokens: int) -> list[tu
     """Per prompt: transformers' float32 last-position logits and its greedy ``new_tokens`` (eos ignored)."""
     import torch
 
+    from fastdeploy_core.testing.perplexity import greedy_sequence
+
     out = []
-    with torch.no_grad():
-        for prompt in prompts:
+    for prompt in prompts:
+        with torch.no_grad():
             logits = hf_model(torch.tensor([prompt])).logits[0, -1].float().numpy()
-            generated = hf_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            out.append((logits, generated[0, len(prompt) :].tolist()))
+        out.append((logits, greedy_sequence(hf_model, prompt, new_tokens)[len(prompt) :]))
     return out
 
 
