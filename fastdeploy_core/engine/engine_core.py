@@ -305,9 +305,9 @@ class EngineCore:
             if not choice_params.ignore_eos:
                 eos.update(self.eos_token_ids)
             if choice_params.seed is not None:
-                generator = np.random.default_rng(choice_params.seed)
+                sample_seed = int(choice_params.seed)
             else:
-                generator = np.random.default_rng(self._seed_sequence.spawn(1)[0])
+                sample_seed = int(self._seed_sequence.spawn(1)[0].generate_state(1, np.uint64)[0])
             core_id = choice_request_id(req.request_id, index, params.n)
             request = Request(
                 request_id=core_id,
@@ -319,7 +319,7 @@ class EngineCore:
                 index=index,
                 eos_token_ids=tuple(sorted(eos)),
                 max_total_tokens=max_total,
-                generator=generator,
+                sample_seed=sample_seed,
             )
             if choice_params.guided_decoding is not None:
                 request.guided = self.guided.new_request(choice_params.guided_decoding)

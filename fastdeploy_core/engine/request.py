@@ -14,8 +14,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from fastdeploy_core.engine.sampling_params import SamplingParams
 
 
@@ -76,8 +74,9 @@ class Request:
     scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    #: Per-request random stream (seeded requests draw only from it).
-    generator: np.random.Generator | None = None
+    #: Sampling seed: the token at output position ``n`` is drawn with
+    #: ``position_uniform(sample_seed, n)`` (the request's ``seed``, or one the engine drew).
+    sample_seed: int | None = None
     #: Prompt logprobs gathered chunk by chunk (index i: logprobs of prompt token i; 0 is None).
     prompt_logprobs: list[Any] | None = None
     prompt_logprobs_sent: bool = False

@@ -63,15 +63,15 @@ POLICIES = ("fcfs", "priority")
 
 
 def speculates(req: Request) -> bool:
-    """Whether ``req``'s tokens may come from verified drafts: greedy, and nothing in its
-    sampling depends on the position (penalties, logprobs, bad words, the ``min_tokens`` mask, a
+    """Whether ``req``'s tokens may come from verified drafts: nothing in its sampling depends
+    on the tokens before a position (penalties, logprobs, bad words, the ``min_tokens`` mask, a
     guided-decoding grammar whose mask changes with every token), so the target's token at every
-    draft position is a plain argmax. Other requests decode one token per step beside
-    speculating ones; their distribution is never touched."""
+    draft position is its argmax (greedy) or its draw with the request's seed at that output
+    position (sampled: temperature, top-k, top-p and min-p are per-position). Other requests
+    decode one token per step beside speculating ones."""
     sp = req.sampling_params
     return (
         req.guided is None
-        and sp.is_greedy
         and sp.logprobs is None
         and sp.resolved("repetition_penalty") == 1.0
         and sp.presence_penalty == 0.0
@@ -150,7 +150,7 @@ class ScheduledBatch:
                     block_table=req.block_table,
                     sampling_params=req.sampling_params,
                     eos_token_ids=req.eos_token_ids,
-                    generator=req.generator,
+                    sample_seed=req.sample_seed,
                     samples=self.samples(i),
                     prompt_logprobs_from=len(done) - 1 if done is not None else 0,
                     draft_token_ids=req.draft_token_ids,
@@ -330,11 +330,10 @@ class Scheduler:
     def draft_candidates(self, out: ScheduledBatch, max_drafts: int) -> list[tuple[int, int]]:
         """``(batch index, most drafts)`` for the rows of ``out`` that may speculate this step.
 
-        A row speculates when it decodes one token, its request samples greedily with nothing
-        that depends on the position (no penalties, logprobs, bad words, or ``min_tokens`` mask
-        still on: then each position's target token is a plain argmax, and accepting a draft
-        cannot change the output), and its length limit leaves room: accepting ``d`` drafts
-        emits ``d + 1`` tokens."""
+        A row speculates when it decodes one token, its request's sampling depends on nothing
+        but the position (see :func:`speculates`: then each position's target token is what
+        one-token decoding would give, and accepting a draft cannot change the output), and its
+        length limit leaves room: accepting ``d`` drafts emits ``d + 1`` tokens."""
         found = []
         for index, (req, n) in enumerate(out.scheduled):
             if n != 1 or req.num_uncomputed_tokens != 1 or not speculates(req):

@@ -11,8 +11,8 @@ weights), sizes and allocates the paged KV cache, and executes one
 * logits are computed only for the last token of each sequence that completes its prompt or
   decodes this step (plus all prompt rows of requests asking for ``prompt_logprobs``);
 * the :class:`~fastdeploy_core.executor.sampler.Sampler` picks the tokens;
-* a row carrying speculative draft tokens (``1 + k`` query tokens) gets the target's greedy
-  token at all ``k + 1`` positions and keeps the drafts it agrees with (speculative steps run
+* a row carrying speculative draft tokens (``1 + k`` query tokens) gets the target's token
+  (greedy or sampled with the request's seed) at all ``k + 1`` positions and keeps the drafts it agrees with (speculative steps run
   eagerly; only one-token decode steps replay captured graphs).
 
 KV cache size: ``--num-gpu-blocks-override`` blocks or ``--kv-cache-memory`` bytes if given;
@@ -35,7 +35,7 @@ from fastdeploy_core.config import EngineArgs, check_dtype
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.errors import ConfigError, ModelLoadError, OutOfKVCacheError
 from fastdeploy_core.executor.forward_meta import ForwardMeta
-from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs, verify_greedy
+from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs, verify_drafts
 from fastdeploy_core.executor.step_io import RunnerOutput, SchedulerOutput
 from fastdeploy_core.host_memory import returned_after_loading
 from fastdeploy_core.layers.kv_layout import KVCacheLayout, kv_cache_layout
@@ -347,12 +347,14 @@ class ModelRunner:
         return result
 
     def _verify_drafts(self, out: SchedulerOutput, meta: ForwardMeta, hidden, result: RunnerOutput) -> None:
-        """Speculating rows: the target's greedy token at each of the row's ``k + 1`` positions
-        (its last token and each draft), then the accepted prefix plus one
-        (:func:`~fastdeploy_core.executor.sampler.verify_greedy`) into ``result``.
+        """Speculating rows: the target's token at each of the row's ``k + 1`` positions (its
+        last token and each draft), then the accepted prefix plus one
+        (:func:`~fastdeploy_core.executor.sampler.verify_drafts`) into ``result``.
 
-        The engine gives drafts only to plain-greedy rows (no penalties, logprobs or masks), so
-        each position's token is the argmax the one-token decode step would take."""
+        The engine gives drafts only to rows whose sampling depends on nothing but the position
+        (no penalties, logprobs or masks): a greedy row's token at each position is the argmax
+        the one-token decode step would take; a sampled row's is the draw the sampler would make
+        at that output position (:meth:`Sampler.sample_row` with the request's seed)."""
         reqs = out.requests
         spec_rows = [i for i, r in enumerate(reqs) if r.draft_token_ids]
         if not spec_rows:
@@ -360,14 +362,25 @@ class ModelRunner:
         positions = np.concatenate([meta.query_start_loc[i] + np.arange(reqs[i].num_new_tokens) for i in spec_rows])
         spec_hidden = paddle.index_select(hidden, paddle.to_tensor(positions), axis=0)
         greedy_tokens = getattr(self.model, "compute_greedy_tokens", None)
-        if greedy_tokens is not None:
-            targets = [int(t) for t in greedy_tokens(spec_hidden)]
+        if all(reqs[i].sampling_params.is_greedy for i in spec_rows):
+            if greedy_tokens is not None:
+                targets = [int(t) for t in greedy_tokens(spec_hidden)]
+            else:
+                targets = [int(t) for t in self.ops.argmax_rows(self.model.compute_logits(spec_hidden))]
         else:
-            targets = [int(t) for t in self.ops.argmax_rows(self.model.compute_logits(spec_hidden))]
+            logits = self.model.compute_logits(spec_hidden)
+            host = logits.numpy() if hasattr(logits, "numpy") else np.asarray(logits)
+            targets = []
+            offset = 0
+            for i in spec_rows:
+                req, n = reqs[i], reqs[i].num_new_tokens
+                first = req.num_output_tokens  # the output position of the row's first new token
+                targets += [self.sampler.sample_row(host[offset + j], req, first + j) for j in range(n)]
+                offset += n
         offset = 0
         for i in spec_rows:
             n = reqs[i].num_new_tokens
-            tokens = verify_greedy(targets[offset : offset + n], reqs[i].draft_token_ids)
+            tokens = verify_drafts(targets[offset : offset + n], reqs[i].draft_token_ids)
             offset += n
             result.spec_token_ids[i] = tokens
             result.sampled_token_ids[i] = tokens[0]

@@ -153,7 +153,10 @@ class Sampler:
                 x[eos] = saved  # the grammar is complete: its end wins over min_tokens
         return x
 
-    def sample_row(self, row: np.ndarray, req: ScheduledRequest) -> int:
+    def sample_row(self, row: np.ndarray, req: ScheduledRequest, position: int | None = None) -> int:
+        """The token of ``req`` at output position ``position`` (default: the next one) from
+        its logits ``row``: penalties and masks, then greedy or temperature / top-k / top-p /
+        min-p sampling with :func:`position_uniform`."""
         sp = req.sampling_params
         x = self.apply_penalties_and_masks(row, req)
         if sp.is_greedy:
@@ -178,7 +181,7 @@ class Sampler:
         if min_p > 0.0:
             probs[probs < min_p * probs.max()] = 0.0
         cdf = np.cumsum(probs)
-        u = req.generator.random() if req.generator is not None else np.random.random()
+        u = position_uniform(req.sample_seed, req.num_output_tokens if position is None else position)
         token = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
         token = min(token, x.shape[0] - 1)
         while probs[token] == 0.0 and token > 0:  # float edge at the top of the CDF
@@ -186,11 +189,27 @@ class Sampler:
         return token
 
 
-def verify_greedy(target_token_ids: list[int], draft_token_ids: list[int]) -> list[int]:
-    """Greedy acceptance of speculative drafts: the tokens a speculating row emits.
+def position_uniform(sample_seed: int | None, position: int) -> float:
+    """The uniform number in [0, 1) that picks a request's token at output position ``position``.
 
-    ``target_token_ids[j]`` is the target's greedy token after the row's last token and the
-    first ``j`` drafts (``k + 1`` of them for ``k`` drafts). Drafts are kept while each equals
+    A function of the request's sampling seed and the position, not a stream: the token a
+    sampled request gets at a position is the same whatever batch it ran in and whether a
+    speculative step verified it beside others. So a drafted token is kept exactly when it is
+    the token one-token-per-step sampling would have drawn there, and speculation leaves a
+    sampled request's tokens unchanged, as it does a greedy one's. ``None`` (rows built by hand)
+    draws from numpy's global stream.
+    """
+    if sample_seed is None:
+        return float(np.random.random())
+    return float(np.random.default_rng((sample_seed, position)).random())
+
+
+def verify_drafts(target_token_ids: list[int], draft_token_ids: list[int]) -> list[int]:
+    """Acceptance of speculative drafts by exact match: the tokens a speculating row emits.
+
+    ``target_token_ids[j]`` is the target's token after the row's last token and the first
+    ``j`` drafts (``k + 1`` of them for ``k`` drafts): its argmax for a greedy row, its draw
+    with :func:`position_uniform` at that output position for a sampled one. Drafts are kept while each equals
     the target's token at its position; the target's token at the first disagreement (or after
     the last draft) follows. Every emitted token is the target's own argmax given the tokens
     before it, so the output is exactly what one-token-per-step greedy decoding gives.

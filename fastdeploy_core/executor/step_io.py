@@ -16,9 +16,10 @@ standard library, so the pure-Python scheduler can import it without loading pad
 Rows share the engine's token and block lists instead of copying them: copying every sequence's
 tokens each step would cost time in proportion to the whole context, where the runner reads one
 token per decoding sequence. The runner reads them during ``execute_model`` only, never writes
-them and keeps no reference after it returns. The one mutable thing a row carries is the
-request's random stream (``generator``): sampling draws one number from it per sampled token, so
-a seeded request gets the same tokens whatever batch it runs in.
+them and keeps no reference after it returns. A sampled row's randomness is a function of its
+request's ``sample_seed`` and the output position (:func:`~fastdeploy_core.executor.sampler.position_uniform`),
+not a stream the runner advances: a seeded request gets the same tokens whatever batch it runs
+in and however many of its tokens a speculative step verifies at once.
 
 The runner keeps no per-request state between steps, so a step carries no preempted or finished
 request ids: a preempted request is simply scheduled again from ``num_computed_tokens``.
@@ -69,7 +70,9 @@ class ScheduledRequest:
     sampling_params: SamplingSpec
     #: Tokens masked before ``min_tokens`` (eos and stop token ids).
     eos_token_ids: tuple[int, ...]
-    generator: np.random.Generator | None
+    #: The request's sampling seed (its ``seed``, or one the engine drew); None draws from
+    #: numpy's global stream (rows built by hand).
+    sample_seed: int | None
     #: Whether the row reaches the sequence's last token this step, so a token is sampled.
     samples: bool
     #: First prompt position whose prompt logprobs the engine does not hold yet (the row for

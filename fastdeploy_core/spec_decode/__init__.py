@@ -4,7 +4,7 @@
 A proposer guesses the next tokens of decoding requests; the engine's scheduler makes room
 for them in the step (:meth:`fastdeploy_core.engine.scheduler.Scheduler.add_drafts`), the
 runner has the target score them in the same ragged batch and keeps what the target agrees
-with (:func:`fastdeploy_core.executor.sampler.verify_greedy`). Methods are registered through
+with (:func:`fastdeploy_core.executor.sampler.verify_drafts`). Methods are registered through
 the ``register_proposers`` hook and looked up here by ``--speculative-config``'s ``method``.
 
 This room sits above the executor (a draft-model proposer drives a runner of its own) and

@@ -280,7 +280,7 @@ class DraftModelProposer(Proposer):
                     block_table=row.state.blocks,
                     sampling_params=GREEDY,
                     eos_token_ids=(),
-                    generator=None,
+                    sample_seed=None,
                     samples=row.computed + n == len(row.tokens),
                 )
             )

@@ -62,7 +62,7 @@ def _req(params: SamplingParams, output=(), seed=None) -> Request:
     req = Request("r", [3, 4], params, eos_token_ids=(0,), max_total_tokens=100)
     for t in output:
         req.append_output_token(t)
-    req.generator = np.random.default_rng(seed)
+    req.sample_seed = seed
     return req
 
 

@@ -31,7 +31,7 @@ def bitmask(allowed: list[int], vocab: int = VOCAB) -> np.ndarray:
 def row(params: SamplingParams, mask=None, seed: int = 0) -> ScheduledRequest:
     return ScheduledRequest(
         request_id="r", all_token_ids=[1, 2], num_prompt_tokens=2, num_computed_tokens=0, num_new_tokens=2,
-        block_table=[0], sampling_params=params, eos_token_ids=(0,), generator=np.random.default_rng(seed),
+        block_table=[0], sampling_params=params, eos_token_ids=(0,), sample_seed=seed,
         samples=True, token_bitmask=mask,
     )
 

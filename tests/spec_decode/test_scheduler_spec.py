@@ -20,7 +20,7 @@ from fastdeploy_core.engine.block_manager import BlockManager
 from fastdeploy_core.engine.request import Request
 from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.engine.scheduler import Scheduler
-from fastdeploy_core.executor.sampler import verify_greedy
+from fastdeploy_core.executor.sampler import verify_drafts
 from fastdeploy_core.spec_decode.ngram import lookup_ngram
 
 EOS = 0
@@ -62,7 +62,7 @@ class SimRunner:
                 base = r.num_computed_tokens + 1
                 targets = [self._token(r.request_id, context[: base + j], r.num_prompt_tokens)
                            for j in range(len(r.draft_token_ids) + 1)]
-                out = verify_greedy(targets, r.draft_token_ids)
+                out = verify_drafts(targets, r.draft_token_ids)
                 sampled.append(out[0])
                 spec.append(out)
             elif r.samples:
@@ -180,7 +180,9 @@ def test_drafts_never_preempt_and_take_only_free_blocks():
     assert not a.draft_token_ids and batch.num_scheduled_tokens == 2 and sched.num_preemptions == 0
 
 
-def test_sampled_and_position_dependent_requests_decode_one_token_per_step():
+def test_position_dependent_requests_decode_one_token_per_step():
+    """Greedy and sampled requests speculate; logprobs, penalties and a min_tokens mask still on
+    (whose target token depends on the tokens before it) decode one token per step."""
     reqs = [
         make_request("greedy", [1, 2, 3], 8),
         make_request("hot", [1, 2, 3], 8, temperature=0.8, seed=1),
@@ -195,10 +197,11 @@ def test_sampled_and_position_dependent_requests_decode_one_token_per_step():
     batch = sched.schedule()
     sched.update(batch, [5] * len(reqs))
     batch = sched.schedule()
-    assert [batch.scheduled[i][0].request_id for i, _ in sched.draft_candidates(batch, 4)] == ["greedy"]
+    assert [batch.scheduled[i][0].request_id for i, _ in sched.draft_candidates(batch, 4)] == ["greedy", "hot"]
     sched.update(batch, [5] * len(reqs))
     batch = sched.schedule()  # min_tokens=2 reached: now it may speculate too
-    assert [batch.scheduled[i][0].request_id for i, _ in sched.draft_candidates(batch, 4)] == ["greedy", "min"]
+    candidates = [batch.scheduled[i][0].request_id for i, _ in sched.draft_candidates(batch, 4)]
+    assert candidates == ["greedy", "hot", "min"]
 
 
 @settings(max_examples=25, deadline=None)
