@@ -63,22 +63,14 @@ POLICIES = ("fcfs", "priority")
 
 
 def speculates(req: Request) -> bool:
-    """Whether ``req``'s tokens may come from verified drafts: nothing in its sampling depends
-    on the tokens before a position (penalties, logprobs, bad words, the ``min_tokens`` mask, a
-    guided-decoding grammar whose mask changes with every token), so the target's token at every
-    draft position is its argmax (greedy) or its draw with the request's seed at that output
-    position (sampled: temperature, top-k, top-p and min-p are per-position). Other requests
-    decode one token per step beside speculating ones."""
+    """Whether ``req``'s tokens may come from verified drafts: greedy or sampled, with
+    penalties, bad words and ``min_tokens`` too (the runner scores each draft position as if the
+    drafts before it had been emitted, and a sampled draw depends only on the request's seed and
+    the position), but no logprobs (a step returns one token's) and no guided-decoding grammar
+    (its mask is known for the next token only). Other requests decode one token per step
+    beside speculating ones."""
     sp = req.sampling_params
-    return (
-        req.guided is None
-        and sp.logprobs is None
-        and sp.resolved("repetition_penalty") == 1.0
-        and sp.presence_penalty == 0.0
-        and sp.frequency_penalty == 0.0
-        and not sp.bad_words_token_ids
-        and req.num_output_tokens >= sp.min_tokens
-    )
+    return req.guided is None and sp.logprobs is None
 
 
 def chunk_cost(computed: int, n: int, attention_key_weight: float) -> float:
@@ -330,10 +322,10 @@ class Scheduler:
     def draft_candidates(self, out: ScheduledBatch, max_drafts: int) -> list[tuple[int, int]]:
         """``(batch index, most drafts)`` for the rows of ``out`` that may speculate this step.
 
-        A row speculates when it decodes one token, its request's sampling depends on nothing
-        but the position (see :func:`speculates`: then each position's target token is what
-        one-token decoding would give, and accepting a draft cannot change the output), and its
-        length limit leaves room: accepting ``d`` drafts emits ``d + 1`` tokens."""
+        A row speculates when it decodes one token, :func:`speculates` allows its request (then
+        each position's target token is what one-token decoding would give, and accepting a
+        draft cannot change the output), and its length limit leaves room: accepting ``d``
+        drafts emits ``d + 1`` tokens."""
         found = []
         for index, (req, n) in enumerate(out.scheduled):
             if n != 1 or req.num_uncomputed_tokens != 1 or not speculates(req):

@@ -26,6 +26,7 @@ budget is the most the cache's RAM can grow to, reached as it fills.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -351,10 +352,12 @@ class ModelRunner:
         last token and each draft), then the accepted prefix plus one
         (:func:`~fastdeploy_core.executor.sampler.verify_drafts`) into ``result``.
 
-        The engine gives drafts only to rows whose sampling depends on nothing but the position
-        (no penalties, logprobs or masks): a greedy row's token at each position is the argmax
-        the one-token decode step would take; a sampled row's is the draw the sampler would make
-        at that output position (:meth:`Sampler.sample_row` with the request's seed)."""
+        A row's token at draft position ``j`` is the one the one-token decode step would take
+        had the first ``j`` drafts been emitted: penalties, bad words and the ``min_tokens``
+        mask read the row's tokens with those drafts appended (later positions only matter when
+        every draft before them was kept), and a sampled row draws with the request's seed at
+        that output position (:meth:`Sampler.sample_row`). The engine gives no drafts to rows
+        with logprobs or a grammar."""
         reqs = out.requests
         spec_rows = [i for i, r in enumerate(reqs) if r.draft_token_ids]
         if not spec_rows:
@@ -362,7 +365,7 @@ class ModelRunner:
         positions = np.concatenate([meta.query_start_loc[i] + np.arange(reqs[i].num_new_tokens) for i in spec_rows])
         spec_hidden = paddle.index_select(hidden, paddle.to_tensor(positions), axis=0)
         greedy_tokens = getattr(self.model, "compute_greedy_tokens", None)
-        if all(reqs[i].sampling_params.is_greedy for i in spec_rows):
+        if self.sampler.all_plain_greedy([reqs[i] for i in spec_rows]):
             if greedy_tokens is not None:
                 targets = [int(t) for t in greedy_tokens(spec_hidden)]
             else:
@@ -374,8 +377,11 @@ class ModelRunner:
             offset = 0
             for i in spec_rows:
                 req, n = reqs[i], reqs[i].num_new_tokens
-                first = req.num_output_tokens  # the output position of the row's first new token
-                targets += [self.sampler.sample_row(host[offset + j], req, first + j) for j in range(n)]
+                for j in range(n):
+                    # the row as the one-token step would see it after emitting the first j drafts
+                    view = dataclasses.replace(req, all_token_ids=req.all_token_ids + req.draft_token_ids[:j],
+                                               draft_token_ids=[]) if j else req
+                    targets.append(self.sampler.sample_row(host[offset + j], view))
                 offset += n
         offset = 0
         for i in spec_rows:

@@ -99,3 +99,28 @@ def test_position_uniform_is_a_function_of_seed_and_position():
     draws = {position_uniform(7, p) for p in range(50)} | {position_uniform(s, 3) for s in range(50)}
     assert len(draws) == 99  # (7, 3) is in both sets
     assert all(0.0 <= u < 1.0 for u in draws)
+
+
+def penalised_batch() -> list:
+    """Penalties, bad words and min_tokens: each draft position is scored with the drafts before
+    it counted as output."""
+    return [
+        ("rep", PROMPTS[3], SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=32, ignore_eos=True)),
+        ("freq", PROMPTS[0], SamplingParams(temperature=0.7, seed=4, frequency_penalty=0.8, presence_penalty=0.4,
+                                            max_tokens=32, ignore_eos=True)),
+        ("bad", PROMPTS[1], SamplingParams(temperature=0, bad_words_token_ids=[[86], [27, 124]], max_tokens=24,
+                                           ignore_eos=True)),
+        ("min", PROMPTS[4], SamplingParams(temperature=0, min_tokens=6, stop_token_ids=[99, 121], max_tokens=24)),
+    ]
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SELF_DRAFT], ids=["ngram", "self_draft_wint8"])
+def test_penalised_requests_speculate_and_keep_their_tokens(tiny, spec):
+    off = run(make_core(tiny, None), penalised_batch())
+    core = make_core(tiny, spec)
+    on = run(core, penalised_batch())
+    assert on == off
+    stats = core.get_stats()
+    assert stats["spec_decode_num_draft_tokens_total"] > 0, stats
+    if spec["method"] == "draft_model":
+        assert stats["spec_decode_num_accepted_tokens_total"] > 0, stats
