@@ -404,10 +404,17 @@ class EngineCore:
         if masks is not None:
             guided_steps.advance(batch)
         outputs: list[EngineCoreOutput] = failed
-        for (req, _), token, lp, num_before in zip(batch.scheduled, sampled, result.logprobs, before):
+        spec_logprobs = result.spec_logprobs or [None] * len(sampled)
+        for (req, _), token, lp, spec_lps, num_before in zip(
+            batch.scheduled, sampled, result.logprobs, spec_logprobs, before
+        ):
             if token is None or req.status == RequestStatus.FINISHED_ABORTED:
                 continue
             new_tokens = req.output_token_ids[num_before:]  # one, or several from accepted drafts
+            if spec_lps is not None:
+                new_logprobs = spec_lps[: len(new_tokens)]  # tokens after a stop were dropped
+            else:
+                new_logprobs = [lp] if lp is not None else None
             self.num_generation_tokens_total += len(new_tokens)
             prompt_logprobs = None
             if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
@@ -418,7 +425,7 @@ class EngineCore:
                     request_id=req.parent_id,
                     index=req.index,
                     new_token_ids=new_tokens,
-                    new_logprobs=[lp] if lp is not None else None,
+                    new_logprobs=new_logprobs,
                     prompt_logprobs=prompt_logprobs,
                     finished=req.is_finished,
                     finish_reason=req.status.finish_reason,

@@ -64,13 +64,12 @@ POLICIES = ("fcfs", "priority")
 
 def speculates(req: Request) -> bool:
     """Whether ``req``'s tokens may come from verified drafts: greedy or sampled, with
-    penalties, bad words and ``min_tokens`` too (the runner scores each draft position as if the
-    drafts before it had been emitted, and a sampled draw depends only on the request's seed and
-    the position), but no logprobs (a step returns one token's) and no guided-decoding grammar
-    (its mask is known for the next token only). Other requests decode one token per step
-    beside speculating ones."""
-    sp = req.sampling_params
-    return req.guided is None and sp.logprobs is None
+    penalties, bad words, ``min_tokens`` and logprobs too (the runner scores each draft position
+    as if the drafts before it had been emitted, and a sampled draw depends only on the
+    request's seed and the position), but not under a guided-decoding grammar (its mask is
+    known for the next token only). Such requests decode one token per step beside
+    speculating ones."""
+    return req.guided is None
 
 
 def chunk_cost(computed: int, n: int, attention_key_weight: float) -> float:

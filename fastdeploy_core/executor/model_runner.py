@@ -325,6 +325,7 @@ class ModelRunner:
             hidden = self.model.forward(meta, self.kv_caches)
         result = RunnerOutput([None] * len(reqs), [None] * len(reqs), self._prompt_logprobs(out, meta, hidden))
         result.spec_token_ids = [None] * len(reqs)
+        result.spec_logprobs = [None] * len(reqs)
         self._verify_drafts(out, meta, hidden, result)
 
         sample_rows = [i for i, r in enumerate(reqs) if r.samples and not r.draft_token_ids]
@@ -356,8 +357,8 @@ class ModelRunner:
         had the first ``j`` drafts been emitted: penalties, bad words and the ``min_tokens``
         mask read the row's tokens with those drafts appended (later positions only matter when
         every draft before them was kept), and a sampled row draws with the request's seed at
-        that output position (:meth:`Sampler.sample_row`). The engine gives no drafts to rows
-        with logprobs or a grammar."""
+        that output position (:meth:`Sampler.sample_row`); a row asking for logprobs gets them for
+        every token it emits. The engine gives no drafts to rows under a grammar."""
         reqs = out.requests
         spec_rows = [i for i, r in enumerate(reqs) if r.draft_token_ids]
         if not spec_rows:
@@ -365,6 +366,7 @@ class ModelRunner:
         positions = np.concatenate([meta.query_start_loc[i] + np.arange(reqs[i].num_new_tokens) for i in spec_rows])
         spec_hidden = paddle.index_select(hidden, paddle.to_tensor(positions), axis=0)
         greedy_tokens = getattr(self.model, "compute_greedy_tokens", None)
+        host = None
         if self.sampler.all_plain_greedy([reqs[i] for i in spec_rows]):
             if greedy_tokens is not None:
                 targets = [int(t) for t in greedy_tokens(spec_hidden)]
@@ -387,9 +389,14 @@ class ModelRunner:
         for i in spec_rows:
             n = reqs[i].num_new_tokens
             tokens = verify_drafts(targets[offset : offset + n], reqs[i].draft_token_ids)
-            offset += n
             result.spec_token_ids[i] = tokens
             result.sampled_token_ids[i] = tokens[0]
+            num = reqs[i].sampling_params.logprobs
+            if num is not None:
+                entries = [top_logprobs(log_softmax(host[offset + j]), t, num) for j, t in enumerate(tokens)]
+                result.spec_logprobs[i] = entries
+                result.logprobs[i] = entries[0]
+            offset += n
 
     def _prompt_logprobs(self, out: SchedulerOutput, meta: ForwardMeta, hidden) -> list[list[dict] | None]:
         """Per row: the prompt logprobs of the positions computed this step that the engine does

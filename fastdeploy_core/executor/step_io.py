@@ -135,3 +135,6 @@ class RunnerOutput:
     #: drafts plus the one after it (1 to k + 1 tokens; ``sampled_token_ids`` holds the first);
     #: None for the other rows.
     spec_token_ids: list[list[int] | None] = field(default_factory=list)
+    #: For rows with draft tokens whose request asked for logprobs: one entry per token of
+    #: ``spec_token_ids`` (``logprobs`` holds the first); None for the other rows.
+    spec_logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)

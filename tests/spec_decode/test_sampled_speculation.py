@@ -124,3 +124,40 @@ def test_penalised_requests_speculate_and_keep_their_tokens(tiny, spec):
     assert stats["spec_decode_num_draft_tokens_total"] > 0, stats
     if spec["method"] == "draft_model":
         assert stats["spec_decode_num_accepted_tokens_total"] > 0, stats
+
+
+def run_outputs(core, requests) -> dict:
+    """Like ``run``, keeping each step's EngineCoreOutput (tokens and their logprobs)."""
+    from fastdeploy_core.engine.outputs import EngineCoreRequest
+
+    for rid, prompt, params in requests:
+        core.add_request(EngineCoreRequest(rid, prompt, params))
+    tokens: dict = {}
+    logprobs: dict = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            key = (out.request_id, out.index)
+            tokens.setdefault(key, []).extend(out.new_token_ids)
+            assert out.new_logprobs is not None and len(out.new_logprobs) == len(out.new_token_ids)
+            logprobs.setdefault(key, []).extend(out.new_logprobs)
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    return {"tokens": tokens, "logprobs": logprobs}
+
+
+def test_logprobs_requests_speculate_with_one_entry_per_emitted_token(tiny):
+    reqs = [
+        ("lg", PROMPTS[3], SamplingParams(temperature=0, logprobs=3, max_tokens=24, ignore_eos=True)),
+        ("ls", PROMPTS[0], SamplingParams(temperature=0.8, seed=2, logprobs=2, max_tokens=24, ignore_eos=True)),
+        ("stop", PROMPTS[1], SamplingParams(temperature=0, logprobs=1, stop_token_ids=[99], max_tokens=24)),
+    ]
+    off = run_outputs(make_core(tiny, None), reqs)
+    core = make_core(tiny, SELF_DRAFT)
+    on = run_outputs(core, reqs)
+    assert on["tokens"] == off["tokens"]
+    assert core.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
+    for key, entries in off["logprobs"].items():
+        got = on["logprobs"][key]
+        assert len(got) == len(entries) == len(off["tokens"][key])
+        for token, want, have in zip(off["tokens"][key], entries, got):
+            assert token in have and set(have) == set(want), (key, want, have)
+            assert all(abs(have[t] - want[t]) < 1e-4 for t in want), (key, want, have)

@@ -180,9 +180,9 @@ def test_drafts_never_preempt_and_take_only_free_blocks():
     assert not a.draft_token_ids and batch.num_scheduled_tokens == 2 and sched.num_preemptions == 0
 
 
-def test_requests_with_logprobs_decode_one_token_per_step():
-    """Greedy, sampled, penalised and min_tokens requests speculate (the runner scores each draft
-    position as the one-token step would); one asking for logprobs decodes one token per step."""
+def test_every_request_but_a_guided_one_may_speculate():
+    """Greedy, sampled, logprobs, penalised and min_tokens requests speculate (the runner scores
+    each draft position as the one-token step would); one under a grammar does not."""
     reqs = [
         make_request("greedy", [1, 2, 3], 8),
         make_request("hot", [1, 2, 3], 8, temperature=0.8, seed=1),
@@ -198,7 +198,9 @@ def test_requests_with_logprobs_decode_one_token_per_step():
     sched.update(batch, [5] * len(reqs))
     batch = sched.schedule()
     candidates = [batch.scheduled[i][0].request_id for i, _ in sched.draft_candidates(batch, 4)]
-    assert candidates == ["greedy", "hot", "penalty", "min"]
+    assert candidates == ["greedy", "hot", "logprobs", "penalty", "min"]
+    reqs[0].guided = object()  # a grammar's matcher: its mask is known for the next token only
+    assert [batch.scheduled[i][0].request_id for i, _ in sched.draft_candidates(batch, 4)][0] == "hot"
 
 
 @settings(max_examples=25, deadline=None)
