@@ -445,6 +445,8 @@ class ModelRunner:
             "model_impl_reason": self.model_impl_reason,
             "device": self.device_cls.name,
             "attention_backend": self.ops.attention_backend,
+            # bfloat16 (--dtype bfloat16), a quantization method, or float32
+            "linear_weights": self.quantizer.name if self.quantizer is not None else "float32",
             "max_model_len": self.max_model_len,
             "block_size": self.block_size,
             "num_gpu_blocks": self.num_blocks,
