@@ -85,7 +85,7 @@ def test_pair_layout_round_trips_and_puts_a_columns_k_pair_in_one_lane():
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (2, 576, 96), (3, 128, 64), (8, 64, 960), (9, 96, 64), (17, 1536, 64), (64, 576, 192)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (2, 576, 96), (3, 128, 64), (8, 64, 960), (9, 96, 64), (17, 1536, 64), (64, 576, 192), (130, 96, 96)])
 def test_kernel_is_bitwise_its_summation_order_on_each_path(ops, path, m, k, n):
     x, bits = case(np.random.default_rng(m * 1000 + k + n), m, k, n)
     packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
@@ -128,11 +128,12 @@ def test_shapes_the_layout_cannot_take_run_the_reference_formula(ops):
 
 
 def test_batch_rows_do_not_change_a_rows_result(ops):
-    """One accumulation chain per output whatever the row blocking: row r alone == row r in a batch."""
-    x, bits = case(np.random.default_rng(4), 19, 192, 64)
+    """One accumulation chain per output whatever the row blocking (blocks of 8, panels of 64):
+    row r alone == row r in a batch."""
+    x, bits = case(np.random.default_rng(4), 131, 192, 64)
     packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
     whole = ops.bf16_linear(paddle.to_tensor(x), packed).numpy()
-    for r in (0, 8, 17, 18):
+    for r in (0, 8, 17, 63, 64, 127, 130):
         np.testing.assert_array_equal(ops.bf16_linear(paddle.to_tensor(x[r : r + 1]), packed).numpy(), whole[r : r + 1])
 
 
@@ -143,6 +144,15 @@ def test_bad_inputs_are_refused_with_the_kernels_message(ops):
         ops.bf16_linear(paddle.to_tensor(x[:, :48]), packed)
     with pytest.raises(Exception, match="path must be 0"):
         ops.bf16_linear(paddle.to_tensor(x), packed, path=3)
+
+
+def test_the_kernels_run_time_choice_agrees_with_the_cpus_flags(ops):
+    """What the kernel detects (``__builtin_cpu_supports``) is what /proc/cpuinfo lists, so the
+    paths above are the ones the kernel can run here."""
+    from paddle import _C_ops
+
+    detected = bool(_C_ops._run_custom_op("fd_bf16_dot_available", paddle.zeros([1]))[0].numpy()[0])
+    assert detected == has_avx512_bf16()
 
 
 @pytest.mark.skipif(has_avx512_bf16(), reason="this CPU has AVX-512 BF16: the dot path runs (tested above)")

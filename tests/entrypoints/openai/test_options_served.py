@@ -191,6 +191,9 @@ def test_request_chat_template_is_refused_without_the_operators_flag(server):
         (["--tensor-parallel-size", "2"], "tensor_parallel_size: got 2; tensor parallelism is not supported yet"),
         (["--kv-cache-ratio", "0"], "kv_cache_ratio: got 0.0; must be > 0.0"),
         (["--policy", "lottery"], "policy: got 'lottery'; must be one of 'fcfs' or 'priority'"),
+        (["--dtype", "float16"], "dtype: float16 is not supported: device cpu does not support it"),
+        (["--dtype", "bfloat16", "--quantization", "wint4"],
+         "dtype: bfloat16 stores the linear layers in bfloat16, and quantization 'wint4'"),
     ],
 )
 def test_serve_refuses_options_it_cannot_honour(flags, says):
