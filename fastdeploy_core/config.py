@@ -15,23 +15,30 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from fastdeploy_core.errors import ConfigError
 
-#: The dtype the engine computes in on every device today (weights, activations, KV cache).
+#: The dtype everything but the linear layers computes in, on every device (activations,
+#: norms, attention, the KV cache).
 ENGINE_DTYPE = "float32"
+#: ``--dtype`` values the engine computes in: ``bfloat16`` stores the linear layers' weights (the
+#: LM head's too) in bfloat16 and multiplies them by bfloat16-rounded inputs with float32 sums
+#: (``quantization/bfloat16.py``); everything else stays float32.
+ENGINE_DTYPES = (ENGINE_DTYPE, "bfloat16")
 
 
 def check_dtype(dtype: str, device_name: str, device_dtypes: tuple[str, ...]) -> None:
     """Refuse a ``dtype`` the engine would not compute in on this device (ConfigError naming the
     device's dtypes). Asked by the model runner once the device is chosen, since the answer
     depends on the device; every entry point builds its engine through that runner."""
-    if dtype in ("auto", ENGINE_DTYPE):
+    if dtype in ("auto", ENGINE_DTYPE) or (dtype in ENGINE_DTYPES and dtype in device_dtypes):
         return
     if dtype not in device_dtypes:
         why = f"device {device_name} does not support it (its dtypes: {', '.join(device_dtypes)})"
     else:
-        why = f"the engine computes in {ENGINE_DTYPE} on every device for now, so {dtype} would not be used"
-    raise ConfigError(
-        f"dtype: {dtype} is not supported: {why}; use --dtype {ENGINE_DTYPE} or auto", param="dtype"
-    )
+        why = (
+            f"the engine computes in {ENGINE_DTYPE} (bfloat16: the linear layers) on every device for now, "
+            f"so {dtype} would not be used"
+        )
+    runs = [d for d in ENGINE_DTYPES if d == ENGINE_DTYPE or d in device_dtypes]
+    raise ConfigError(f"dtype: {dtype} is not supported: {why}; use --dtype {', '.join(runs)} or auto", param="dtype")
 
 
 class _Section(BaseModel):
@@ -44,7 +51,12 @@ class ModelConfig(_Section):
     model: str | None = Field(None, description="HF directory or .gguf file; None = embedded default")
     served_model_name: str | None = None
     model_impl: Literal["auto", "fastdeploy", "paddleformers"] = "auto"
-    dtype: Literal["float32", "float16", "bfloat16", "auto"] = "auto"
+    dtype: Literal["float32", "float16", "bfloat16", "auto"] = Field(
+        "auto",
+        description="auto/float32: float32 throughout; bfloat16: linear layers and the LM head with bfloat16 "
+        "weights times bfloat16-rounded inputs, float32 sums (embedding, norms, attention, softmax, KV cache stay "
+        "float32), on devices whose dtypes include it, not with --quantization; float16 is refused",
+    )
     max_model_len: int | None = Field(None, ge=1, le=1 << 22)
     chat_template: str | None = None
     seed: int = Field(0, ge=0, le=2**63 - 1)

@@ -18,7 +18,7 @@ from fastdeploy_core.errors import ConfigError, FastDeployError
 ENGINE_FLAGS_HELP = (
     "Engine flags of `fastdeploy serve` are accepted too: --model PATH, --max-model-len N, --max-num-seqs N, "
     "--max-num-batched-tokens N, --block-size N, --gpu-memory-utilization F, --num-gpu-blocks-override N, "
-    "--[no-]enable-prefix-caching, --[no-]enable-chunked-prefill, --device NAME, --model-impl, --quantization, --seed."
+    "--[no-]enable-prefix-caching, --[no-]enable-chunked-prefill, --device NAME, --model-impl, --quantization, --dtype, --seed."
 )
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 

@@ -34,6 +34,15 @@ except ImportError:  # pragma: no cover - depends on the Paddle build
     _swiglu = None
 
 
+def bf16_linear_reference(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+    """The formula of :meth:`ReferenceOps.bf16_linear`: ``x`` rounded to bfloat16 (round to nearest,
+    ties to even: Paddle's cast) times the bfloat16 ``weight [in, out]``, both widened to float32,
+    summed in float32 (the products are exact there), plus the float32 bias."""
+    rounded = x.astype("bfloat16").astype("float32")
+    y = paddle.matmul(rounded, weight.astype("float32"))
+    return y if bias is None else y + bias
+
+
 def _cache_view(cache: paddle.Tensor, name: str, keep_dims: int) -> paddle.Tensor:
     """A flat view of a ``[num_blocks, block_size, kvh, d]`` cache keeping its last ``keep_dims`` dims.
 
@@ -223,6 +232,17 @@ class ReferenceOps:
                 return paddle.transpose(paddle.matmul(weight, x, transpose_x=True, transpose_y=True), [1, 0])
             return paddle.matmul(x, weight)
         return F.linear(x, weight, bias)
+
+    def bf16_linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+        """The linear layers of ``--dtype bfloat16``: float32 ``x [..., in]``, bfloat16 ``weight
+        [in, out]`` (or the layout :meth:`prepare_linear_weight` gave it) -> float32 ``[..., out]``.
+
+        ``x`` is rounded to bfloat16 (round to nearest, ties to even, as Paddle's cast), each
+        product of two bfloat16 values is exact in float32, and the products are summed in
+        float32, in an order the op chooses (orders differ by float32 rounding only), plus the
+        bias (float32). See :func:`bf16_linear_reference`.
+        """
+        return bf16_linear_reference(x, self.unprepare_linear_weight(weight), bias)
 
     def rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
         """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, in float32."""

@@ -85,6 +85,8 @@ class ModelRunner:
             hf_config=self.source.hf_config,
             gguf_path=self.source.path if self.source.format == "gguf" else None,
         )
+        if args.model.dtype == "bfloat16":
+            self.quantizer = self._bfloat16_linears(self.quantizer)
         self.kv_quantizer = self.quantizer.kv_cache_method if self.quantizer is not None else None
         if self.kv_quantizer is None and args.cache.kv_cache_dtype == "int8":
             self.kv_quantizer = Int8KVCacheQuantizer()
@@ -116,6 +118,22 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler()
         self.graphs = self._decode_graphs()
+
+    @staticmethod
+    def _bfloat16_linears(quantizer):
+        """``--dtype bfloat16``: the linear layers' method (bfloat16 weights); refused next to a
+        quantization method, which stores the same layers in a format of its own."""
+        from fastdeploy_core.quantization.bfloat16 import BFloat16Linear
+
+        if quantizer is not None:
+            raise ConfigError(
+                f"dtype: bfloat16 stores the linear layers in bfloat16, and quantization {quantizer.name!r} "
+                "(--quantization or the checkpoint's quantization_config) stores them in its own format; use one: "
+                "--dtype float32 (or auto) with the quantization, or bfloat16 without it (an int8 KV cache goes "
+                "with bfloat16 as --kv-cache-dtype int8)",
+                param="dtype",
+            )
+        return BFloat16Linear()
 
     def _decode_graphs(self):
         """Decode-step graphs (``graph_opt`` settings) when on and the model declares its forward
@@ -434,6 +452,8 @@ class ModelRunner:
             "model_impl_reason": self.model_impl_reason,
             "device": self.device_cls.name,
             "attention_backend": self.ops.attention_backend,
+            # bfloat16 (--dtype bfloat16), a quantization method, or float32
+            "linear_weights": self.quantizer.name if self.quantizer is not None else "float32",
             "max_model_len": self.max_model_len,
             "block_size": self.block_size,
             "num_gpu_blocks": self.num_blocks,

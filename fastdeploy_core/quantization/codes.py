@@ -62,3 +62,14 @@ def quantize_int4(weight: np.ndarray, group_size: int, has_zero_point: bool) -> 
     codes = np.rint((weight - repeat_rows(offset, group_size, rows)) / repeat_rows(scale, group_size, rows))
     codes = np.clip(codes, 0, 15)
     return {"weight": pack_int4(codes), "weight_scale": scale, "weight_offset": offset}
+
+
+def bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values -> their bfloat16 bit patterns (``uint16``, which Paddle takes as bfloat16):
+    round to nearest, ties to even, as Paddle's ``astype("bfloat16")``; NaN stays a (quiet) NaN."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():
+        rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return rounded

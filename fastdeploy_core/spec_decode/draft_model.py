@@ -88,7 +88,9 @@ class _Row:
 
 
 def draft_engine_args(config: SpeculativeConfig, context: ProposerContext, num_blocks: int) -> EngineArgs:
-    """The target's settings with the draft's checkpoint, quantization and cache size."""
+    """The target's settings with the draft's checkpoint, quantization and cache size. A quantized
+    draft stores its linear layers in its quantization's format, so it does not take the target's
+    ``--dtype bfloat16`` (which is about the same layers); an unquantized draft does."""
     target = context.engine_args
     return target.model_copy(
         update={
@@ -97,6 +99,7 @@ def draft_engine_args(config: SpeculativeConfig, context: ProposerContext, num_b
                     "model": config.model if config.model is not None else target.model.model,
                     "max_model_len": context.max_model_len,
                     "served_model_name": None,
+                    "dtype": target.model.dtype if config.quantization is None else "auto",
                 }
             ),
             "cache": target.cache.model_copy(

@@ -81,7 +81,10 @@ class Target:
 def make_target(device: type[Device], ops_class: type | None = None, place: str | None = None) -> Target:
     """A target for ``device``: its own ops on its own place, or ``ops_class``/``place`` overrides.
 
-    On the CPU place only the dtypes Paddle's CPU kernels compute in (float32) are checked.
+    On the CPU place only the dtypes Paddle's CPU kernels compute in (float32) are checked, on a
+    device's own place every dtype it declares; a device computing in host memory (the cpu) declares
+    bfloat16 for ``--dtype bfloat16``'s linear layers only (op ``bf16_linear``), so its ops are
+    checked in float32.
     """
     ops_class = ops_class or device.ops_class or ReferenceOps
     if place is None or place == "device":
@@ -94,7 +97,7 @@ def make_target(device: type[Device], ops_class: type | None = None, place: str 
         place = device.paddle_place(0)
     host_device = device.paddle_device_type == HOST_PLACE  # the device computes in host memory
     on_device = place.split(":")[0] == device.paddle_device_type and not host_device
-    if on_device or host_device:
+    if on_device:
         dtypes = tuple(device.supported_dtypes)
     else:
         dtypes = tuple(d for d in device.supported_dtypes if d == "float32") or ("float32",)
@@ -240,6 +243,7 @@ OPS = (
     "argmax_rows",
     "greedy_lm_head",
     "fused_moe",
+    "bf16_linear",
 )
 
 
@@ -383,7 +387,30 @@ def _run_op(op, ops, ref, rng, dtype):
             got.append(_cpu(ref.fused_moe, x, w13, w2, weights, ids))
             want.append(expected.astype(f32))
         return got, want
+    if op == "bf16_linear":
+        return _run_bf16_linear(ops, ref, rng)
     raise ValueError(f"unknown op {op!r}; known: {OPS}")
+
+
+def _run_bf16_linear(ops, ref, rng):
+    """``--dtype bfloat16``'s linear (float32 ``x``, bfloat16 weights, float32 out, whatever the
+    target's dtype) against the reference formula, plain and in the layout the device prepares:
+    64 columns (a width a packed layout takes), 24 (one it may not) and an odd ``in`` (33). A
+    device that skipped rounding ``x`` to bfloat16 would be ~1e-3 off, above the float32 tolerance."""
+    from fastdeploy_core.quantization.codes import bfloat16_bits
+
+    got, want = [], []
+    for rows, cols in ((32, 64), (32, 24), (33, 64)):
+        x = rng.standard_normal((7, rows)).astype(np.float32)
+        bits = bfloat16_bits(rng.standard_normal((rows, cols)) / np.sqrt(rows))
+        b = rng.standard_normal(cols).astype(np.float32)
+        weight = paddle.to_tensor(bits)
+        prepared = ops.prepare_linear_weight(weight)
+        for w in (weight, prepared) if prepared is not None else (weight,):
+            got.append(_np(ops.bf16_linear(paddle.to_tensor(x), w, paddle.to_tensor(b))))
+            with paddle.device.device_guard(HOST_PLACE):
+                want.append(ref.bf16_linear(paddle.to_tensor(x), paddle.to_tensor(bits), paddle.to_tensor(b)).numpy())
+    return got, want
 
 
 def head_with_near_ties(rng, x: np.ndarray, cols: int, max_rows: int | None = None) -> np.ndarray:

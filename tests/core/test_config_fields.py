@@ -168,29 +168,38 @@ def test_refused_fields_raise_a_config_error_saying_so(key):
     EngineArgs.create(**({"speculative_config": {name: default}} if section_only else {name: default}))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_dtype_other_than_float32_is_refused_naming_the_devices_dtypes(dtype):
+def test_float16_is_refused_naming_the_dtypes_that_run():
     with pytest.raises(ConfigError) as info:
-        check_dtype(dtype, CpuDevice.name, tuple(CpuDevice.supported_dtypes))
+        check_dtype("float16", CpuDevice.name, tuple(CpuDevice.supported_dtypes))
     assert info.value.param == "dtype"
     assert info.value.message == (
-        f"dtype: {dtype} is not supported: device cpu does not support it (its dtypes: float32); "
+        "dtype: float16 is not supported: device cpu does not support it (its dtypes: float32, bfloat16); "
+        "use --dtype float32, bfloat16 or auto"
+    )
+    # A device that declares float16 is still refused: the engine computes in float32 (bfloat16 linears).
+    with pytest.raises(ConfigError, match=r"computes in float32 \(bfloat16: the linear layers\) on every device"):
+        check_dtype("float16", "some-gpu", ("bfloat16", "float16", "float32"))
+    for runs in ("auto", "float32", "bfloat16"):
+        check_dtype(runs, CpuDevice.name, tuple(CpuDevice.supported_dtypes))
+        check_dtype(runs, "some-gpu", ("bfloat16", "float16", "float32"))
+
+
+def test_bfloat16_is_refused_on_a_device_that_does_not_declare_it():
+    with pytest.raises(ConfigError) as info:
+        check_dtype("bfloat16", "float32-chip", ("float32",))
+    assert info.value.message == (
+        "dtype: bfloat16 is not supported: device float32-chip does not support it (its dtypes: float32); "
         "use --dtype float32 or auto"
     )
-    # A device that declares the dtype is still refused: the engine computes in float32 only.
-    with pytest.raises(ConfigError, match="computes in float32 on every device"):
-        check_dtype(dtype, "some-gpu", ("bfloat16", "float16", "float32"))
-    for runs in ("auto", "float32"):
-        check_dtype(runs, CpuDevice.name, tuple(CpuDevice.supported_dtypes))
 
 
-def test_llm_refuses_a_dtype_the_cpu_would_not_compute_in():
+def test_llm_refuses_float16_before_loading_anything():
     """The offline entry point meets the runner's dtype check before any weight is loaded."""
     from fastdeploy_core import LLM
 
-    with pytest.raises(ConfigError, match=r"dtype: bfloat16 is not supported: device cpu does not support it "
-                                          r"\(its dtypes: float32\)"):
-        LLM(model=None, device="cpu", dtype="bfloat16")
+    with pytest.raises(ConfigError, match=r"dtype: float16 is not supported: device cpu does not support it "
+                                          r"\(its dtypes: float32, bfloat16\)"):
+        LLM(model=None, device="cpu", dtype="float16")
 
 
 def test_mix_quant_refuses_image_moe_quant_type():

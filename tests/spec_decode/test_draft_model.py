@@ -96,6 +96,22 @@ def test_a_quantized_separate_draft_runs(models, reference):
     assert run(make_core(models["target"], spec), batch()) == reference({})
 
 
+def test_a_bfloat16_target_speculates_with_a_quantized_or_a_bfloat16_draft(models):
+    """``--dtype bfloat16`` is about the linear layers, as a quantization is: a quantized self-draft
+    runs its own format, an unquantized draft takes bfloat16 like the target; either way the
+    tokens are those of the bfloat16 target with speculation off."""
+    reference = run(make_core(models["target"], None, dtype="bfloat16"), batch())
+    for spec, draft_weights in (
+        ({"method": "draft_model", "num_speculative_tokens": 3, "quantization": "wint8"}, "wint8"),
+        ({"method": "draft_model", "num_speculative_tokens": 3, "model": models["small"]}, "bfloat16"),
+    ):
+        core = make_core(models["target"], spec, dtype="bfloat16")
+        assert core.runner.describe()["linear_weights"] == "bfloat16"
+        assert core.proposer.runner.describe()["linear_weights"] == draft_weights
+        assert run(core, batch()) == reference
+        assert core.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
+
+
 def test_the_draft_cache_is_freed_on_abort_and_preemption(models):
     spec = {"method": "draft_model", "num_speculative_tokens": 3, "quantization": "wint8"}
     core = make_core(models["target"], spec, num_gpu_blocks_override=24)

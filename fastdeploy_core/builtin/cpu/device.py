@@ -25,7 +25,9 @@ class CpuDevice(Device):
     name = "cpu"
     paddle_device_type = "cpu"
     priority = 0
-    supported_dtypes = ("float32",)  # Paddle's CPU build registers float32 matmul only
+    # float32 throughout; bfloat16 for the linear layers only (--dtype bfloat16: CpuOps.bf16_linear,
+    # fd_bf16_linear with vdpbf16ps on AVX-512 BF16 CPUs, the same sums widened to float32 elsewhere).
+    supported_dtypes = ("float32", "bfloat16")
     dist_backend = "gloo"
     memory_shared_with_host = True  # the KV cache is RAM the OS and every other process need too
     supports_graph_capture = True  # CpuOps.capture_graph records the C++ kernels (refused without them)

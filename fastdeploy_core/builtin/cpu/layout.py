@@ -5,7 +5,8 @@ A loaded linear weight (float32 ``[in, out]``, or a quantizer's int8 / int4 / fp
 each 32-column tile is one contiguous stream the hardware prefetcher follows, where the rows of
 a row-major ``[in, out]`` weight are 128-byte pieces ``4 * out`` bytes apart. int4 codes on a
 CPU with AVX-512 VNNI take :func:`pack_int4_vnni_tiles` instead; the stacked float32 experts of
-a mixture-of-experts layer take one such layout per expert (:func:`pack_expert_tiles`).
+a mixture-of-experts layer take one such layout per expert (:func:`pack_expert_tiles`); bfloat16
+weights (``--dtype bfloat16``) take pairs of consecutive k per column (:func:`pack_bf16_pair_tiles`).
 :func:`unpack_column_tiles` is the inverse of all three: what :meth:`CpuOps.unprepare_linear_weight` hands the device-neutral
 reference formulas of the quantizers.
 """
@@ -75,11 +76,34 @@ def unpack_expert_tiles(weight: paddle.Tensor) -> paddle.Tensor:
     return weight.transpose([0, 2, 1, 3]).reshape([experts, rows, tiles * cols])
 
 
+def pack_bf16_pair_tiles(weight: paddle.Tensor) -> paddle.Tensor:
+    """bfloat16 ``[K, N]`` -> ``[N / 32, K / 2, 32, 2]`` (``fd_bf16_linear``'s layout).
+
+    Element ``[t, j, c, e]`` is ``W[2 j + e, 32 t + c]``: each 32-bit lane of a 64-byte load is
+    one column's two consecutive k, as ``vdpbf16ps`` multiplies them, and a tile's columns are
+    one contiguous stream. Needs ``K % 2 == 0`` and ``N % 32 == 0``.
+    """
+    rows, cols = (int(n) for n in weight.shape)
+    if cols % PACK_COLUMNS or rows % 2:
+        raise ValueError(f"the bfloat16 pair layout needs K % 2 == 0 and N % 32 == 0, got K={rows}, N={cols}")
+    tiles = weight.reshape([rows // 2, 2, cols // PACK_COLUMNS, PACK_COLUMNS])  # [j, e, t, c]
+    return tiles.transpose([2, 0, 3, 1]).contiguous()
+
+
+def unpack_bf16_pair_tiles(weight: paddle.Tensor) -> paddle.Tensor:
+    """Inverse of :func:`pack_bf16_pair_tiles`: bfloat16 ``[K, N]``."""
+    tiles, pairs, cols, _ = (int(n) for n in weight.shape)
+    return weight.transpose([1, 3, 0, 2]).reshape([2 * pairs, tiles * cols])
+
+
 def unpack_column_tiles(weight: paddle.Tensor) -> paddle.Tensor:
     """The plain storage of a weight: ``[rows, N]`` whether packed by :func:`pack_column_tiles`,
-    by :func:`pack_int4_vnni_tiles` (uint8, rank 4) or not packed; ``[E, rows, N]`` for float32
-    experts packed by :func:`pack_expert_tiles` (rank 4)."""
+    by :func:`pack_int4_vnni_tiles` (uint8, rank 4), by :func:`pack_bf16_pair_tiles` (bfloat16,
+    rank 4) or not packed; ``[E, rows, N]`` for float32 experts packed by :func:`pack_expert_tiles`
+    (rank 4)."""
     if weight.ndim == 4:
+        if weight.dtype == paddle.bfloat16:
+            return unpack_bf16_pair_tiles(weight)
         return unpack_expert_tiles(weight) if weight.dtype == paddle.float32 else unpack_int4_vnni_tiles(weight)
     if weight.ndim != 3:
         return weight

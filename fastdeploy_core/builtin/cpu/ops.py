@@ -19,6 +19,7 @@ from fastdeploy_core.builtin.cpu.kernels import has_avx512_vnni, load_kernels
 from fastdeploy_core.builtin.cpu.layout import (
     PACK_COLUMNS,
     VNNI_CHUNK,
+    pack_bf16_pair_tiles,
     pack_column_tiles,
     pack_expert_tiles,
     pack_int4_vnni_tiles,
@@ -96,9 +97,26 @@ class CpuOps(CpuQuantOps, ReferenceOps):
     """
 
     def prepare_linear_weight(self, weight: paddle.Tensor) -> paddle.Tensor | None:
+        """Column tiles ``[out / 32, rows, 32]``; a bfloat16 weight (``--dtype bfloat16``) the
+        k-pair tiles ``[out / 32, in / 2, 32, 2]`` of ``fd_bf16_linear`` (needs an even ``in``)."""
         if weight.ndim != 2 or weight.shape[1] % PACK_COLUMNS != 0 or not (self._have_kernels or self._ready()):
             return None
+        if weight.dtype == paddle.bfloat16:
+            return pack_bf16_pair_tiles(weight) if weight.shape[0] % 2 == 0 else None
         return pack_column_tiles(weight)
+
+    #: ``fd_bf16_linear``'s path: 0 lets the kernel choose by CPU feature (``vdpbf16ps`` with
+    #: AVX-512 BF16), 1 widens the weights to float32 in the tile loop (``FD_BF16_DOT=0``). Both
+    #: give the same bits; tests pass the path to :meth:`bf16_linear` instead.
+    bf16_path = 0 if os.environ.get("FD_BF16_DOT", "1") not in ("0", "") else 1
+
+    def bf16_linear(self, x, weight, bias=None, path: int | None = None) -> paddle.Tensor:
+        """``fd_bf16_linear`` on a weight :meth:`prepare_linear_weight` packed (``path``: 0 the
+        CPU's best, 1 widen, 2 ``vdpbf16ps``; ``None`` = :attr:`bf16_path`), else the reference
+        formula; see :meth:`ReferenceOps.bf16_linear`."""
+        if weight.ndim != 4 or x.dtype != paddle.float32 or not (self._have_kernels or self._ready()):
+            return ReferenceOps.bf16_linear(self, x, weight, bias)
+        return add_bias(_run("fd_bf16_linear", x, weight, self.bf16_path if path is None else int(path))[0], bias)
 
     #: int4 layers (``wint4``, ``w4a8``) take the VNNI layout when the CPU has AVX-512 VNNI
     #: (``FD_INT4_VNNI=0``: keep ``[N / 32, K / 2, 32]`` and the float-FMA loop).

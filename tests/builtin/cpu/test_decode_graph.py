@@ -78,7 +78,12 @@ def _weights(seed: int = 0):
 
 
 def _model(method: str | None):
-    quant = None if method is None else resolve_quantization(method, device=CpuDevice, hf_config=CONFIG)
+    if method == "bfloat16":  # --dtype bfloat16's linear layers
+        from fastdeploy_core.quantization.bfloat16 import BFloat16Linear
+
+        quant = BFloat16Linear()
+    else:
+        quant = None if method is None else resolve_quantization(method, device=CpuDevice, hf_config=CONFIG)
     model = fd_llama.LlamaForCausalLM(dict(CONFIG), quant_config=quant)
     model.eval()
     model.load_weights(_weights())
@@ -97,7 +102,7 @@ def _host(meta):
     return meta
 
 
-@pytest.mark.parametrize("method", [None, "wint8", '{"quantization": "wint4", "group_size": 32}'])
+@pytest.mark.parametrize("method", [None, "wint8", '{"quantization": "wint4", "group_size": 32}', "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_replayed_steps_equal_eager_steps_bitwise(ops, method, batch):
     model = _model(method)

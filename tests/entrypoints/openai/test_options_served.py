@@ -203,6 +203,27 @@ def test_serve_refuses_options_it_cannot_honour(flags, says):
     assert f"error: {says}" in done.stderr
 
 
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--dtype", "float16"], "dtype: float16 is not supported: device cpu does not support it (its dtypes: "
+                                 "float32, bfloat16); use --dtype float32, bfloat16 or auto"),
+        (["--dtype", "bfloat16", "--quantization", "wint4"],
+         "dtype: bfloat16 stores the linear layers in bfloat16, and quantization 'wint4'"),
+    ],
+)
+def test_serve_refuses_dtypes_the_engine_would_not_compute_in(flags, says):
+    """Refused when the engine starts (the device decides), before any weight loads: the server
+    does not come up and says why."""
+    import subprocess
+
+    from tests.entrypoints.openai.conftest import fastdeploy_command
+
+    done = subprocess.run([*fastdeploy_command(), "serve", *flags], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode != 0
+    assert says in done.stderr
+
+
 # --- a server with the operator's options -----------------------------------------------------
 
 OPERATOR_TEMPLATE = "OPERATOR: {% for m in messages %}{{ m['content'] }}{% endfor %} ANSWER:"

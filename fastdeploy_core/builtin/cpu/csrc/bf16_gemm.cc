@@ -1,0 +1,296 @@
+// bfloat16 linear layers for the cpu device (--dtype bfloat16): y[M, N] = bf16(x)[M, K] @ W[K, N],
+// W stored in bfloat16, the products accumulated in float32, y float32.
+//
+// Layout. W is [N / 32, K2, 32, 2] bfloat16, K2 = K / 2 (the cpu ops pack even K only; an odd K
+// would take a zero pad row, which x's rounding matches with a zero): element (t, j, c, e) is
+// W[2 j + e, 32 t + c]. One 64-byte load is then 16 columns x one pair
+// of consecutive k, each 32-bit lane one column's pair, which is what vdpbf16ps multiplies; a
+// tile's 32 columns are one contiguous stream over K, like fd_f32_linear's column tiles.
+//
+// Activations. Each call first rounds the rows of x to bfloat16 (round to nearest, ties to
+// even; NaN stays NaN; subnormals are rounded like any value), as Paddle's astype("bfloat16")
+// does: the reference formula is x.astype(bf16) @ W.astype(float32).
+//
+// Two paths compute the same sums in the same order, so they agree bit for bit (the products of
+// two bfloat16 values are exact in float32; only the additions round):
+//   dot   (AVX-512 BF16, vdpbf16ps): per k pair, acc += x[2j+1] w[2j+1], then acc += x[2j] w[2j],
+//         each addition rounded to float32 (the instruction's definition). The instruction
+//         treats subnormal bfloat16 inputs as zero and flushes a subnormal result to zero, which
+//         only values below ~1e-38 can notice.
+//   widen (any CPU): the bfloat16 weights are widened to float32 in the tile loop and the same
+//         two additions per pair run as float32 multiply-adds (exact products: an FMA rounds once,
+//         like the addition alone).
+// One accumulation chain per output column (k pairs in order), whatever rows share a tile.
+// The path is chosen at run time by CPU feature (__builtin_cpu_supports("avx512bf16"), which
+// also asks the OS for the AVX-512 register state); the dot path is compiled for AVX-512 BF16
+// through a target attribute, so the library builds on compilers' default targets too.
+// `path`: 0 = the CPU's best, 1 = widen, 2 = dot (an error without AVX-512 BF16).
+//
+// Threads (thread_pool.h) claim (panel of 64 rows, one or two column tiles) items; each tile
+// runs the panel's rows in blocks of 8, so rows reuse a tile's weights from cache and a panel's
+// activations stay in L2 across its tiles.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "graph.h"
+#include "paddle/extension.h"
+#include "thread_pool.h"
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+constexpr int64_t kCols = 32;               // output columns per tile
+constexpr int64_t kPairBytes = kCols * 4;   // one k pair of one tile: 32 columns x 2 bf16
+constexpr int64_t kPrefetchBytes = 2048;    // how far ahead a tile asks for its weight stream
+constexpr int kRows = 8;                    // rows of x per tile block
+
+enum Path : int64_t { kAuto = 0, kWiden = 1, kDot = 2 };
+
+bool cpu_has_bf16_dot() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// float32 -> bfloat16 bits, round to nearest even (Paddle's cast); NaN -> a quiet NaN.
+inline uint16_t to_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+inline u32x16 round_bf16_lanes(u32x16 b) {
+  const u32x16 rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  const u32x16 nan = (b & 0xFFFF0000u) | 0x00400000u;
+  return ((b & 0x7FFFFFFFu) > 0x7F800000u) ? nan : rounded;
+}
+
+// Row m of x as bf16 pairs: xb[m * K2 + j] holds x[2j] in its low and x[2j + 1] in its high
+// half, rounded; an odd K ends with a zero half. (Both paths read these 32-bit pairs.)
+void round_rows(const float* x, int64_t M, int64_t K, int64_t K2, uint32_t* xb) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    uint32_t* out = xb + m * K2;
+    int64_t j = 0;
+    for (; 2 * j + 32 <= K; j += 16) {
+      u32x16 a, b;
+      std::memcpy(&a, row + 2 * j, 64);
+      std::memcpy(&b, row + 2 * j + 16, 64);
+      a = round_bf16_lanes(a);
+      b = round_bf16_lanes(b);
+      // Pairs (2i, 2i+1): low half from the even float, high half from the odd one.
+      const u32x16 even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      const u32x16 odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+      const u32x16 pairs = (even >> 16) | (odd & 0xFFFF0000u);
+      std::memcpy(out + j, &pairs, 64);
+    }
+    for (; j < K2; ++j) {
+      const uint32_t lo = to_bf16(row[2 * j]);
+      const uint32_t hi = 2 * j + 1 < K ? to_bf16(row[2 * j + 1]) : 0u;
+      out[j] = lo | (hi << 16);
+    }
+  }
+}
+
+struct Problem {
+  const uint32_t* xb;  // [M, K2] bf16 pairs
+  const uint8_t* w;    // [N / 32, K2, 32, 2]
+  float* y;            // [M, N]
+  int64_t M, K2, N;
+};
+
+inline f32x16 bits_as_f32(u32x16 v) { return (f32x16)v; }
+
+// The widen path: ROWS rows from m times tile t.
+template <int ROWS>
+void widen_tile(const Problem& p, int64_t m, int64_t t) {
+  f32x16 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = f32x16{};
+  const uint8_t* tile = p.w + t * p.K2 * kPairBytes;
+  for (int64_t j = 0; j < p.K2; ++j) {
+    const uint8_t* src = tile + j * kPairBytes;
+    if (ROWS <= 2) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
+    if (ROWS <= 2) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes + 64), _MM_HINT_T0);
+    u32x16 v0, v1;
+    std::memcpy(&v0, src, 64);
+    std::memcpy(&v1, src + 64, 64);
+    const f32x16 we0 = bits_as_f32(v0 << 16), wo0 = bits_as_f32(v0 & 0xFFFF0000u);
+    const f32x16 we1 = bits_as_f32(v1 << 16), wo1 = bits_as_f32(v1 & 0xFFFF0000u);
+    for (int r = 0; r < ROWS; ++r) {
+      const uint32_t pair = p.xb[(m + r) * p.K2 + j];
+      float xe, xo;
+      const uint32_t e = pair << 16, o = pair & 0xFFFF0000u;
+      std::memcpy(&xe, &e, 4);
+      std::memcpy(&xo, &o, 4);
+      // vdpbf16ps's order: the odd k of the pair first.
+      acc[r][0] += xo * wo0;
+      acc[r][1] += xo * wo1;
+      acc[r][0] += xe * we0;
+      acc[r][1] += xe * we1;
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    std::memcpy(p.y + (m + r) * p.N + t * kCols, &acc[r][0], 64);
+    std::memcpy(p.y + (m + r) * p.N + t * kCols + 16, &acc[r][1], 64);
+  }
+}
+
+#if defined(__x86_64__)
+// The dot path: ROWS rows from m times tile t with vdpbf16ps.
+template <int ROWS>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dot_tile(const Problem& p, int64_t m, int64_t t) {
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint8_t* tile = p.w + t * p.K2 * kPairBytes;
+  for (int64_t j = 0; j < p.K2; ++j) {
+    const uint8_t* src = tile + j * kPairBytes;
+    if (ROWS <= 2) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
+    if (ROWS <= 2) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes + 64), _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(src);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(src + 64);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(p.xb[(m + r) * p.K2 + j]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_storeu_ps(p.y + (m + r) * p.N + t * kCols, acc[r][0]);
+    _mm512_storeu_ps(p.y + (m + r) * p.N + t * kCols + 16, acc[r][1]);
+  }
+}
+#endif
+
+// Rows [m_begin, m_end) of tile t, in blocks of kRows.
+template <template <int> class Tile>
+void rows_of_tile(const Problem& p, int64_t t, int64_t m_begin, int64_t m_end) {
+  int64_t m = m_begin;
+  for (; m + kRows <= m_end; m += kRows) Tile<kRows>::run(p, m, t);
+  switch (m_end - m) {
+    case 7: Tile<7>::run(p, m, t); break;
+    case 6: Tile<6>::run(p, m, t); break;
+    case 5: Tile<5>::run(p, m, t); break;
+    case 4: Tile<4>::run(p, m, t); break;
+    case 3: Tile<3>::run(p, m, t); break;
+    case 2: Tile<2>::run(p, m, t); break;
+    case 1: Tile<1>::run(p, m, t); break;
+    default: break;
+  }
+}
+
+template <int ROWS>
+struct Widen {
+  static void run(const Problem& p, int64_t m, int64_t t) { widen_tile<ROWS>(p, m, t); }
+};
+
+#if defined(__x86_64__)
+template <int ROWS>
+struct Dot {
+  static void run(const Problem& p, int64_t m, int64_t t) { dot_tile<ROWS>(p, m, t); }
+};
+#endif
+
+// Work items: (row panel, one or two tiles). A prompt's rows go in panels of kPanelRows, so a
+// panel's bf16 activations (64 x K x 2 bytes: 72 KB at K = 576, 192 KB at 1536) stay in L2
+// while its tiles stream past, instead of all rows being read again for every tile. Blocks of
+// rows never change a row's sums (one chain per output), so the split is free to choose.
+constexpr int64_t kPanelRows = 64;
+
+struct Job {
+  const Problem* p;
+  int64_t tiles, per_chunk, tile_chunks;
+};
+
+template <template <int> class Tile>
+void chunk(void* ctx, int64_t c) {
+  const Job& j = *static_cast<Job*>(ctx);
+  const int64_t panel = c / j.tile_chunks, tc = c % j.tile_chunks;
+  const int64_t m_begin = panel * kPanelRows, m_end = std::min(j.p->M, m_begin + kPanelRows);
+  for (int64_t t = tc * j.per_chunk; t < std::min(j.tiles, (tc + 1) * j.per_chunk); ++t)
+    rows_of_tile<Tile>(*j.p, t, m_begin, m_end);
+}
+
+void gemm(const Problem& p, bool dot) {
+  const int64_t tiles = p.N / kCols;
+  const int64_t per_chunk = tiles >= 16 ? 2 : 1;
+  const int64_t tile_chunks = (tiles + per_chunk - 1) / per_chunk;
+  Job job{&p, tiles, per_chunk, tile_chunks};
+  const int64_t chunks = tile_chunks * std::max<int64_t>(1, (p.M + kPanelRows - 1) / kPanelRows);
+#if defined(__x86_64__)
+  if (dot) {
+    fd_kernels::Pool::instance().run(chunks, chunk<Dot>, &job);
+    return;
+  }
+#endif
+  fd_kernels::Pool::instance().run(chunks, chunk<Widen>, &job);
+}
+
+std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
+  std::vector<int64_t> shape(x_shape.begin(), x_shape.end() - 1);
+  shape.push_back(n);
+  return shape;
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x_in, const paddle::Tensor& weight, int64_t path) {
+  PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32, "x must be float32");
+  PD_CHECK(weight.dtype() == paddle::DataType::BFLOAT16, "weight must be bfloat16");
+  const auto& ws = weight.shape();
+  PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == 2, "weight must be packed [N / 32, K2, 32, 2]");
+  PD_CHECK(path == kAuto || path == kWiden || path == kDot, "path must be 0 (auto), 1 (widen) or 2 (dot), got ",
+           path);
+  PD_CHECK(path != kDot || cpu_has_bf16_dot(), "the dot path needs AVX-512 BF16, which this CPU does not have");
+  const int64_t K2 = ws[1], N = ws[0] * kCols, K = x_in.shape().back();
+  PD_CHECK(K == 2 * K2 || K == 2 * K2 - 1, "x's last axis (", K, ") does not fit the weight's ", K2, " k pairs");
+  const bool dot = path == kDot || (path == kAuto && cpu_has_bf16_dot());
+  auto out = fd_graph::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32);
+  fd_graph::run("fd_bf16_linear", {&x_in, &weight}, {&out}, [=]() mutable {
+    const paddle::Tensor x = x_in.contiguous();
+    const int64_t M = K > 0 ? x.numel() / K : 0;
+    std::vector<uint32_t> xb(static_cast<size_t>(M * K2));
+    round_rows(x.data<float>(), M, K, K2, xb.data());
+    const Problem p{xb.data(), static_cast<const uint8_t*>(weight.data()), out.data<float>(), M, K2, N};
+    gemm(p, dot);
+  });
+  return {out};
+}
+
+// 1 when this CPU runs the dot path (AVX-512 BF16), else 0.
+std::vector<paddle::Tensor> Bf16DotAvailable(const paddle::Tensor& unused) {
+  auto out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
+  out.data<int64_t>()[0] = cpu_has_bf16_dot() ? 1 : 0;
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> Bf16Shape(const std::vector<int64_t>& x, const std::vector<int64_t>& w) {
+  return {out_shape(x, w[0] * kCols)};
+}
+
+std::vector<paddle::DataType> Bf16Dtype(const paddle::DataType&, const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32};
+}
+
+PD_BUILD_OP(fd_bf16_linear)
+    .Inputs({"X", "Weight"})
+    .Outputs({"Out"})
+    .Attrs({"path: int64_t"})
+    .SetKernelFn(PD_KERNEL(Bf16Linear))
+    .SetInferShapeFn(PD_INFER_SHAPE(Bf16Shape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(Bf16Dtype));
+
+PD_BUILD_OP(fd_bf16_dot_available)
+    .Inputs({"Unused"})
+    .Outputs({"Available"})
+    .SetKernelFn(PD_KERNEL(Bf16DotAvailable));

@@ -1,0 +1,177 @@
+"""``fd_bf16_linear`` (csrc/bf16_gemm.cc): bfloat16 weights in k-pair tiles, activations rounded
+to bfloat16, float32 sums; its ``vdpbf16ps`` path and its widening path.
+
+Both paths sum each output in one fixed order (per pair of k: the odd k, then the even k), so
+each is compared bit for bit with a numpy emulation of that order, on every path this CPU can
+run (the widening path is forced through the op's ``path`` argument, so it runs everywhere; the
+dot path needs AVX-512 BF16). Against the reference formula (``ReferenceOps.bf16_linear``, any
+summation order) the comparison is a float32 tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy_core.builtin.cpu.kernels import has_avx512_bf16, load_kernels
+from fastdeploy_core.builtin.cpu.layout import pack_bf16_pair_tiles, unpack_bf16_pair_tiles, unpack_column_tiles
+from fastdeploy_core.builtin.cpu.ops import CpuOps
+from fastdeploy_core.devices.current import set_current_ops
+from fastdeploy_core.devices.reference_ops import ReferenceOps
+from fastdeploy_core.quantization.codes import bfloat16_bits
+
+WIDEN, DOT, AUTO = 1, 2, 0
+PATHS = [WIDEN, AUTO] + ([DOT] if has_avx512_bf16() else [])
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if load_kernels() is None:
+        pytest.skip("the cpu kernels cannot be built here")
+    return CpuOps()
+
+
+def widen(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def emulate(x: np.ndarray, weight_bits: np.ndarray) -> np.ndarray:
+    """The kernel's sums: per output, pairs of k in order, odd k before even k, float32."""
+    xr, w = widen(bfloat16_bits(x)), widen(weight_bits)
+    acc = np.zeros((x.shape[0], w.shape[1]), np.float32)
+    for j in range(x.shape[1] // 2):
+        for k in (2 * j + 1, 2 * j):
+            acc = acc + xr[:, k : k + 1] * w[k]  # the product is exact in float32; the sum rounds
+    return acc
+
+
+def case(rng, m: int, k: int, n: int):
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    bits = bfloat16_bits(rng.standard_normal((k, n)) / np.sqrt(k))
+    return x, bits
+
+
+def test_bfloat16_bits_round_like_paddles_cast():
+    rng = np.random.default_rng(0)
+    values = np.concatenate([
+        rng.standard_normal(4096).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 4096),
+        # ties: halfway between two bfloat16 values, with an even and an odd lower neighbour
+        np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130, -(2**-135), 3.4e38, np.inf, -np.inf, 0.0, -0.0],
+                 np.float32),
+    ]).astype(np.float32)
+    ours = bfloat16_bits(values)
+    paddles = paddle.to_tensor(values).astype("bfloat16").view(paddle.uint16).numpy()
+    np.testing.assert_array_equal(ours, paddles)
+    assert widen(bfloat16_bits(np.array([1 + 2**-8, 1 + 3 * 2**-8], np.float32))).tolist() == [1.0, 1 + 2**-6]
+    assert np.isnan(widen(bfloat16_bits(np.array([np.nan], np.float32))))[0]
+
+
+def test_pair_layout_round_trips_and_puts_a_columns_k_pair_in_one_lane():
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 1 << 16, size=(6, 64), dtype=np.uint16)
+    packed = pack_bf16_pair_tiles(paddle.to_tensor(bits))
+    assert packed.dtype == paddle.bfloat16 and packed.shape == [2, 3, 32, 2]
+    raw = packed.view(paddle.uint16).numpy()
+    assert raw[1, 2, 5, 0] == bits[4, 32 + 5] and raw[1, 2, 5, 1] == bits[5, 32 + 5]
+    np.testing.assert_array_equal(unpack_bf16_pair_tiles(packed).view(paddle.uint16).numpy(), bits)
+    np.testing.assert_array_equal(unpack_column_tiles(packed).view(paddle.uint16).numpy(), bits)
+    with pytest.raises(ValueError, match="K % 2 == 0 and N % 32 == 0"):
+        pack_bf16_pair_tiles(paddle.to_tensor(bits[:5]))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (2, 576, 96), (3, 128, 64), (8, 64, 960), (9, 96, 64), (17, 1536, 64), (64, 576, 192), (130, 96, 96)])
+def test_kernel_is_bitwise_its_summation_order_on_each_path(ops, path, m, k, n):
+    x, bits = case(np.random.default_rng(m * 1000 + k + n), m, k, n)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+    assert packed is not None and packed.ndim == 4
+    got = ops.bf16_linear(paddle.to_tensor(x), packed, path=path).numpy()
+    np.testing.assert_array_equal(got, emulate(x, bits))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_kernel_is_the_reference_formula_within_float32_rounding(ops, path):
+    rng = np.random.default_rng(7)
+    x, bits = case(rng, 13, 576, 1536)
+    bias = rng.standard_normal(1536).astype(np.float32)
+    weight = paddle.to_tensor(bits)
+    want = ReferenceOps().bf16_linear(paddle.to_tensor(x), weight, paddle.to_tensor(bias)).numpy()
+    got = ops.bf16_linear(paddle.to_tensor(x), ops.prepare_linear_weight(weight), paddle.to_tensor(bias), path=path)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+    # ...and rounding x matters at that tolerance: the float32 product of the same weights is far.
+    unrounded = x @ widen(bits) + bias
+    assert np.abs(unrounded - want).max() > 100 * 1e-5
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_activations_round_to_nearest_even(ops, path):
+    """An identity weight returns x as the kernel rounded it: ties go to the even neighbour."""
+    x = np.array([[1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20, 3.0, -0.5] + [0.0] * 26], np.float32)
+    eye = bfloat16_bits(np.eye(32, dtype=np.float32))
+    got = ops.bf16_linear(paddle.to_tensor(x), ops.prepare_linear_weight(paddle.to_tensor(eye)), path=path).numpy()
+    assert got[0, :6].tolist() == [1.0, 1 + 2**-6, -1.0, 1 + 2**-7, 3.0, -0.5]
+
+
+def test_shapes_the_layout_cannot_take_run_the_reference_formula(ops):
+    rng = np.random.default_rng(3)
+    for k, n in ((33, 64), (64, 24)):  # odd in, out not a multiple of 32
+        x, bits = case(rng, 5, k, n)
+        weight = paddle.to_tensor(bits)
+        assert ops.prepare_linear_weight(weight) is None
+        want = ReferenceOps().bf16_linear(paddle.to_tensor(x), weight).numpy()
+        np.testing.assert_array_equal(ops.bf16_linear(paddle.to_tensor(x), weight).numpy(), want)
+
+
+def test_batch_rows_do_not_change_a_rows_result(ops):
+    """One accumulation chain per output whatever the row blocking (blocks of 8, panels of 64):
+    row r alone == row r in a batch."""
+    x, bits = case(np.random.default_rng(4), 131, 192, 64)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+    whole = ops.bf16_linear(paddle.to_tensor(x), packed).numpy()
+    for r in (0, 8, 17, 63, 64, 127, 130):
+        np.testing.assert_array_equal(ops.bf16_linear(paddle.to_tensor(x[r : r + 1]), packed).numpy(), whole[r : r + 1])
+
+
+def test_bad_inputs_are_refused_with_the_kernels_message(ops):
+    x, bits = case(np.random.default_rng(5), 2, 64, 32)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+    with pytest.raises(Exception, match="does not fit the weight's 32 k pairs"):
+        ops.bf16_linear(paddle.to_tensor(x[:, :48]), packed)
+    with pytest.raises(Exception, match="path must be 0"):
+        ops.bf16_linear(paddle.to_tensor(x), packed, path=3)
+
+
+def test_the_kernels_run_time_choice_agrees_with_the_cpus_flags(ops):
+    """What the kernel detects (``__builtin_cpu_supports``) is what /proc/cpuinfo lists, so the
+    paths above are the ones the kernel can run here."""
+    from paddle import _C_ops
+
+    detected = bool(_C_ops._run_custom_op("fd_bf16_dot_available", paddle.zeros([1]))[0].numpy()[0])
+    assert detected == has_avx512_bf16()
+
+
+@pytest.mark.skipif(has_avx512_bf16(), reason="this CPU has AVX-512 BF16: the dot path runs (tested above)")
+def test_dot_path_is_refused_without_avx512_bf16(ops):
+    x, bits = case(np.random.default_rng(6), 2, 64, 32)
+    with pytest.raises(Exception, match="needs AVX-512 BF16"):
+        ops.bf16_linear(paddle.to_tensor(x), ops.prepare_linear_weight(paddle.to_tensor(bits)), path=DOT)
+
+
+def test_a_captured_bf16_linear_replays_on_refreshed_input(ops, restore_ops):
+    set_current_ops(ops)
+    x_host = np.random.default_rng(8).standard_normal((3, 64)).astype(np.float32)
+    x = paddle.utils.dlpack.from_dlpack(x_host)
+    _, bits = case(np.random.default_rng(9), 1, 64, 96)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+    plan = ops.capture_graph(lambda: ops.bf16_linear(x, packed), [x, packed])
+    graph = ops.capture_graph(lambda: ops.bf16_linear(x, packed), [x, packed], previous=plan)
+    assert graph.ok, graph.reason
+    x_host[:] = np.random.default_rng(10).standard_normal((3, 64)).astype(np.float32)
+    graph.replay()
+    np.testing.assert_array_equal(graph.output.numpy(), emulate(x_host, bits))
+    graph.release()

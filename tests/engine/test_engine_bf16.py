@@ -1,0 +1,157 @@
+"""``--dtype bfloat16`` on tiny random Llama checkpoints, against transformers emulating it.
+
+The reference is the same transformers model with every linear layer (the LM head included)
+made bfloat16 the way the engine defines it: weights rounded to bfloat16, each linear's input
+rounded to bfloat16 before the product, sums and everything else float32. The engine's greedy
+tokens must equal the reference's, its logprobs must sit within float32 summation noise of the
+reference's, and the test checks its own premise: the float32 model's logprobs are much farther
+away (a bfloat16 flag that changed nothing fails). Captured decode
+steps stay on (and are checked to be in use), so replays are part of what is compared.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import numpy as np
+import pytest
+
+from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.engine.engine_core import EngineCore
+from fastdeploy_core.engine.outputs import EngineCoreRequest
+from fastdeploy_core.engine.sampling_params import SamplingParams
+from fastdeploy_core.errors import ConfigError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+MAX_NEW = 12
+PROMPTS = [
+    [5, 9, 17, 33, 2, 7, 100, 64, 3],
+    [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110],
+    [1],
+    [12, 12, 12, 12, 30],
+]
+#: The engine against the emulating reference: float32 summation order only (measured ~1e-6;
+#: the float32 engine is 0.08-0.12 away from the emulation, and fails this test).
+LOGPROB_TOL = 1e-4
+
+
+def _save_tiny(path: str, tied: bool):
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.3,  # peaky logits: no near-ties between float32 stacks
+        tie_word_embeddings=tied,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _emulate_bf16_linears(model):
+    """Every nn.Linear: weight rounded to bfloat16 (torch rounds to nearest even), input rounded
+    to bfloat16 by a pre-hook, product and sums float32. A tied head gets its own rounded copy
+    (the embedding lookups stay float32, as in the engine)."""
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data = module.weight.data.to(torch.bfloat16).to(torch.float32)
+            module.register_forward_pre_hook(lambda _, args: (args[0].to(torch.bfloat16).to(torch.float32),))
+    return model
+
+
+def _reference(model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and the log-softmax rows that chose them."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        new = out[0, len(prompt) :].tolist()
+        logits = model(out).logits[0].double()
+    rows = torch.log_softmax(logits, dim=-1).numpy()[len(prompt) - 1 : len(prompt) - 1 + MAX_NEW]
+    return new, rows
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def tiny(request, tmp_path_factory):
+    """(path, {prompt index: (float32 tokens, float32 rows)}, {...bf16 emulation...})."""
+    path = str(tmp_path_factory.mktemp(request.param))
+    model = _save_tiny(path, request.param == "tied")
+    f32 = [_reference(model, p) for p in PROMPTS]
+    bf16 = [_reference(_emulate_bf16_linears(model), p) for p in PROMPTS]
+    return path, f32, bf16
+
+
+def _core(path: str, **kw) -> EngineCore:
+    settings = {"model": path, "max_model_len": 128, "block_size": 4, "num_gpu_blocks_override": 256, **kw}
+    return EngineCore(EngineArgs.create(**settings))
+
+
+def _run(core: EngineCore) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
+    outs: dict = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            outs.setdefault(out.request_id, []).append(out)
+    return outs
+
+
+def test_bf16_engine_matches_transformers_emulating_bf16_linears(tiny):
+    path, f32, bf16 = tiny
+    core = _core(path, dtype="bfloat16")
+    info = core.runner.describe()
+    assert info["linear_weights"] == "bfloat16"
+    outs = _run(core)
+    assert info["graph_capture"].startswith("decode batch sizes"), info["graph_capture"]
+    assert core.runner.graphs.captured_sizes, "no decode step was captured and replayed"
+    engine_gap = f32_gap = 0.0
+    for i, prompt in enumerate(PROMPTS):
+        got = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
+        ref_tokens, ref_rows = bf16[i]
+        assert got == ref_tokens, f"prompt {i}"
+        lps = [lp for o in outs[f"r{i}"] for lp in o.new_logprobs]
+        for k, lp in enumerate(lps):
+            engine_gap = max(engine_gap, abs(lp[got[k]] - ref_rows[k][got[k]]))
+            if f32[i][0][: k + 1] == got[: k + 1]:  # the float32 model chose the same tokens so far
+                f32_gap = max(f32_gap, abs(f32[i][1][k][got[k]] - ref_rows[k][got[k]]))
+    assert engine_gap < LOGPROB_TOL
+    # The premise: bfloat16 moves logprobs far more than the engine's distance to the emulation.
+    assert f32_gap > 10 * LOGPROB_TOL, f32_gap
+
+
+def test_bf16_eager_equals_captured(tiny):
+    """Replayed decode steps give the eager steps' tokens and logprobs bit for bit."""
+    path, _, _ = tiny
+    captured = _run(_core(path, dtype="bfloat16"))
+    eager = _run(_core(path, dtype="bfloat16", enforce_eager=True))
+    for rid in captured:
+        assert [o.new_token_ids for o in captured[rid]] == [o.new_token_ids for o in eager[rid]]
+        assert [o.new_logprobs for o in captured[rid]] == [o.new_logprobs for o in eager[rid]]
+
+
+def test_bf16_with_a_quantization_method_is_refused(tiny):
+    path, _, _ = tiny
+    for method in ("wint4", "wint8"):
+        with pytest.raises(ConfigError, match=rf"dtype: bfloat16 stores the linear layers in bfloat16, and quantization '{method}'") as info:
+            _core(path, dtype="bfloat16", quantization=method)
+        assert info.value.param == "dtype"
+
+
+def test_bf16_with_an_int8_kv_cache_runs(tiny):
+    path, _, _ = tiny
+    outs = _run(_core(path, dtype="bfloat16", kv_cache_dtype="int8"))
+    assert len(outs) == len(PROMPTS) and all(len(o) for o in outs.values())
