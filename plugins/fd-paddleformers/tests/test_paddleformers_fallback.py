@@ -62,7 +62,7 @@ REFUSED = (
         "mistral": "has no implementation of MistralForCausalLM",
         "qwen2": "paddlefleet",  # PaddleFormers 1.x's Qwen and DeepSeek modules need paddlefleet (not on PyPI)
         "qwen3": "paddlefleet",
-        "deepseek_v3": "paddlefleet",
+        "deepseek_v3": "cannot provide DeepseekV3Model",  # its modeling imports paddlefleet_ops
     }
 )
 
