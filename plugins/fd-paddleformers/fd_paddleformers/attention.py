@@ -17,6 +17,7 @@ step context with the step's ``ForwardMeta`` and KV caches before running the de
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,21 @@ class PagedAttentionBinding:
         self.generation = generation
 
 
+#: bindings of the attention calls running now, for callers that hand the function a module of
+#: their own instead of the attention module (PaddleFormers 0.4's MLA wrapper, :mod:`fd_paddleformers.mla`)
+_active: list[PagedAttentionBinding] = []
+
+
+@contextmanager
+def calling_with(binding: PagedAttentionBinding):
+    """Make ``binding`` the one an attention call without a bound module uses."""
+    _active.append(binding)
+    try:
+        yield
+    finally:
+        _active.pop()
+
+
 def paged_attention_forward(
     module,
     query: paddle.Tensor,
@@ -65,8 +81,12 @@ def paged_attention_forward(
 
     ``attention_mask`` is ignored: causality and the per-sequence boundaries of the flattened
     batch come from the step's ``ForwardMeta`` (block tables, sequence and query lengths).
+    ``scaling`` is ignored too: the core layer's scale was fixed from the module when it was
+    bound (the module's ``scaling``; for MLA, :func:`fd_paddleformers.mla.kernel_scale`).
     """
     binding: PagedAttentionBinding | None = getattr(module, BINDING_ATTRIBUTE, None)
+    if binding is None and _active:
+        binding = _active[-1]
     if binding is None or binding.step.meta is None:
         raise RuntimeError(
             f"{type(module).__name__} ran with the fastdeploy paged attention outside a fastdeploy step; "

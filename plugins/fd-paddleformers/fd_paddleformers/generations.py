@@ -112,6 +112,10 @@ class PaddleFormers04(Generation):
         # (its default, 60, would build the wrong number of experts)
         if "num_local_experts" in values and "num_experts" not in values:
             values["num_experts"] = values["num_local_experts"]
+        # transformers 5 writes a scaled rope (DeepSeek-V3's YaRN) as rope_parameters with
+        # "rope_type"; 0.4 reads it only as rope_scaling with "type"
+        if isinstance(rope, dict) and rope.get("rope_type", "default") != "default" and not values.get("rope_scaling"):
+            values["rope_scaling"] = {**rope, "type": rope["rope_type"]}
         return values
 
     def mapping_rules(self, base_model_cls: type, config) -> list[Rule]:

@@ -12,7 +12,9 @@
 * its ``nn.Linear`` layers become core :class:`~fastdeploy_core.layers.linear.Linear` (so
   quantization methods apply), its RMS norms the core ``RMSNorm`` and its token embedding the
   core ``VocabEmbedding`` (device ops); the LM head is the core ``LMHead``;
-* its mixture-of-experts blocks become the core ``SparseMoeBlock`` (:mod:`fd_paddleformers.moe`);
+* its mixture-of-experts blocks become the core ``SparseMoeBlock``, or the grouped router and
+  ``FusedMoE`` (DeepSeek-V3) (:mod:`fd_paddleformers.moe`);
+* DeepSeek-V3's latent attention caches its expanded per-head K/V (:mod:`fd_paddleformers.mla`);
 * weights load from the HF checkpoint names, through the installed generation's mapping
   (:mod:`fd_paddleformers.generations`: equal names on 0.4, PaddleFormers' own declaration on 1.x).
 
@@ -45,6 +47,7 @@ from fd_paddleformers.attention import (
     StepContext,
     register_paged_attention,
 )
+from fd_paddleformers import mla
 from fd_paddleformers.generations import MappingNotDeclared
 from fd_paddleformers.moe import checkpoint_sources, is_moe_block, make_block, router_spec
 from fd_paddleformers.rotary import fallback_step, install_fast_rotary
@@ -105,6 +108,9 @@ def check_servable(hf_config: dict) -> tuple[PaddleFormersTarget, object, list[R
     problem = _sliding_window_problem(hf_config)
     if problem:
         raise NotServableError(problem)
+    problem = mla.config_problem(target.family, hf_config)
+    if problem:
+        raise NotServableError(problem)
     config = make_paddleformers_config(target, hf_config)
     rules = mapping_rules(target, config)
     return target, config, rules
@@ -161,7 +167,14 @@ class PaddleFormersForCausalLM(nn.Layer):
         self.vocab_size = int(pf_config.vocab_size)
         self.tie_word_embeddings = bool(getattr(pf_config, "tie_word_embeddings", False))
 
+        # multi-token-prediction layers (DeepSeek-V3 stores them as decoder layers after the last
+        # one) serve speculative decoding only: the fallback builds none (num_nextn_predict_layers=0)
+        nextn = int(hf_config.get("num_nextn_predict_layers") or 0)
+        self._skipped_prefixes = tuple(
+            f"{HF_BASE_PREFIX}.layers.{i}." for i in range(self.num_layers, self.num_layers + nextn)
+        )
         self._step = StepContext()
+        mla.drop_unused_norm(self.model)
         self._linear_weights: set[str] = set()
         #: parameter named by PaddleFormers' mapping -> (merged parameter, shard)
         self._redirects: dict[str, tuple[str, str]] = {}
@@ -278,12 +291,25 @@ class PaddleFormersForCausalLM(nn.Layer):
                     f"table ({ATTENTION_TABLE}), so it cannot use the engine's paged KV cache"
                 )
         self.fast_rotary = all(install_fast_rotary(name) for name in modules)
+        #: MLA modules, whose reshape follows the step's token count (:func:`mla.set_step_length`)
+        self._latent_attention: list[nn.Layer] = []
         for index, layer in enumerate(layers):
             attn = getattr(layer, "self_attn", None)
             if attn is None:
                 raise UnsupportedArchitectureError(
                     f"the PaddleFormers fallback cannot serve {architecture}: decoder layer {index} has no self_attn"
                 )
+            if mla.is_latent_attention(attn):
+                if not mla.install_rotary(type(attn).__module__):
+                    raise UnsupportedArchitectureError(
+                        f"the PaddleFormers fallback cannot serve {architecture}: {type(attn).__module__}'s "
+                        "apply_rotary_pos_emb is not the interleaved form the fallback checked"
+                    )
+                self.num_kv_heads, self.head_dim = mla.cache_dims(attn)
+                core_attention = Attention(self.num_heads, self.head_dim, self.num_kv_heads, mla.kernel_scale(attn))
+                mla.bind(attn, PagedAttentionBinding(index, core_attention, self._step, self.target.generation))
+                self._latent_attention.append(attn)
+                continue
             scale = getattr(attn, "scaling", None)
             core_attention = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale)
             setattr(
@@ -322,7 +348,7 @@ class PaddleFormersForCausalLM(nn.Layer):
             if spec is None:
                 raise UnsupportedArchitectureError(
                     f"the PaddleFormers fallback cannot serve {architecture}: its mixture-of-experts router is not "
-                    "one the core MoE layer implements (Qwen3-MoE's and ERNIE-4.5-MoE's are)"
+                    "one the core MoE layer implements (Qwen3-MoE's, ERNIE-4.5-MoE's and DeepSeek-V3's are)"
                 )
             path = f"layers.{index}.mlp"
             shared = getattr(mlp, "shared_experts", None)
@@ -355,6 +381,7 @@ class PaddleFormersForCausalLM(nn.Layer):
         self._step.meta = meta
         self._step.kv_caches = kv_caches
         self._step.attention_calls = 0
+        mla.set_step_length(self._latent_attention, int(meta.input_ids.shape[0]))
         try:
             embeds = self.model.embed_tokens(meta.input_ids).unsqueeze(0)
             with fallback_step():
@@ -419,7 +446,7 @@ class PaddleFormersForCausalLM(nn.Layer):
             loaded.setdefault(dest, set()).add(shard)
 
         for name, array in weights:
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(IGNORED_SUFFIXES) or (self._skipped_prefixes and name.startswith(self._skipped_prefixes)):
                 continue
             if name == "lm_head.weight":
                 if not self.tie_word_embeddings:

@@ -41,7 +41,7 @@ class fallback_step:
         _active_steps -= 1
 
 
-def _in_fallback_step() -> bool:
+def in_fallback_step() -> bool:
     return _active_steps > 0
 
 
@@ -106,5 +106,5 @@ def install_fast_rotary(module_name: str) -> bool:
     if not _bitwise_equal(original, fast):
         logger.info("%s.apply_rotary_pos_emb is not the rotate_half form; keeping PaddleFormers' own", module_name)
         return False
-    module.apply_rotary_pos_emb = _make_fast(original, _in_fallback_step)
+    module.apply_rotary_pos_emb = _make_fast(original, in_fallback_step)
     return True

@@ -82,7 +82,51 @@ CHECKPOINTS = {
             **ROPE,
         ),
     ),
+    # MLA (q through a low-rank pair, V narrower than Q/K), YaRN with distinct mscales (the
+    # softmax scale differs from qk_head_dim**-0.5), interleaved rotary pairs, 4 experts in 2
+    # groups (the best 1 group), sigmoid routing with random correction biases, a dense first layer
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_interleave=True,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=1000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=0.7,
+            ),
+        ),
+    ),
 }
+# DeepSeek-V3 with q from one projection (q_lora_rank null: PaddleFormers builds an unused q norm)
+CHECKPOINTS["deepseek_v3_q_proj"] = (
+    "DeepseekV3Config",
+    "DeepseekV3ForCausalLM",
+    dict(CHECKPOINTS["deepseek_v3"][2], q_lora_rank=None, num_experts_per_tok=3, topk_group=2, norm_topk_prob=False),
+)
+#: checkpoint -> routers whose correction biases start at zero in transformers: made random so they choose
+RANDOM_CORRECTION_BIAS = {name: "mlp.gate.e_score_correction_bias" for name in ("deepseek_v3", "deepseek_v3_q_proj")}
 
 
 def main(out_dir: str, names: list[str]) -> None:
@@ -103,9 +147,14 @@ def main(out_dir: str, names: list[str]) -> None:
     for name, (config_cls, model_cls, extra) in CHECKPOINTS.items():
         if names and name not in names:
             continue
-        config = getattr(transformers, config_cls)(**COMMON, **extra)
+        config = getattr(transformers, config_cls)(**{**COMMON, **extra})
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(config).eval()
+        if name in RANDOM_CORRECTION_BIAS:
+            with torch.no_grad():
+                for key, tensor in model.state_dict().items():
+                    if key.endswith(RANDOM_CORRECTION_BIAS[name]):
+                        tensor.copy_(0.3 * torch.randn(tensor.shape))
         path = os.path.join(out_dir, name)
         model.save_pretrained(path)
         runs = []

@@ -43,8 +43,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PADDLEFORMERS_VERSION = metadata.version("paddleformers")
 GENERATION_04 = PADDLEFORMERS_VERSION.startswith("0.4")
 #: checkpoints (hf_reference.CHECKPOINTS) the installed generation serves token-identically to transformers
-SERVED = ["qwen3", "qwen2", "qwen3_moe", "ernie4_5", "ernie4_5_moe"] if GENERATION_04 else ["llama", "phi3", "ernie4_5"]
-MOE = [name for name in SERVED if name.endswith("_moe")]
+SERVED = (
+    ["qwen3", "qwen2", "qwen3_moe", "ernie4_5", "ernie4_5_moe", "deepseek_v3"]
+    if GENERATION_04
+    else ["llama", "phi3", "ernie4_5"]
+)
+MOE = [name for name in SERVED if name.endswith("_moe") or name.startswith("deepseek")]
 #: checkpoint -> why the installed generation cannot serve it (a part of the error message)
 REFUSED = (
     {
@@ -56,8 +60,9 @@ REFUSED = (
     if GENERATION_04
     else {
         "mistral": "has no implementation of MistralForCausalLM",
-        "qwen2": "paddlefleet",  # PaddleFormers 1.x's Qwen modules need paddlefleet (not on PyPI)
+        "qwen2": "paddlefleet",  # PaddleFormers 1.x's Qwen and DeepSeek modules need paddlefleet (not on PyPI)
         "qwen3": "paddlefleet",
+        "deepseek_v3": "cannot provide DeepseekV3Model",  # its modeling imports paddlefleet_ops
     }
 )
 
@@ -67,7 +72,7 @@ def ref(tmp_path_factory) -> dict:
     """Checkpoint paths and transformers' greedy tokens, from a clean subprocess."""
     out = tmp_path_factory.mktemp("pf_checkpoints")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    names = sorted(set(SERVED) | set(REFUSED))
+    names = sorted(set(SERVED) | set(REFUSED) | ({"deepseek_v3_q_proj"} if GENERATION_04 else set()))
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "hf_reference.py"), str(out), *names],
         capture_output=True,
@@ -357,14 +362,22 @@ def test_moe_families_run_on_the_core_moe_layer(ref, name):
     """PaddleFormers' expert lists (a Python loop per expert, or fused ops without CPU kernels) are gone."""
     from paddle import nn
 
-    from fastdeploy_core.layers.moe import SparseMoeBlock
+    from fd_paddleformers.moe import GroupedMoe
+
+    from fastdeploy_core.layers.moe import GroupedTopkRouter, SparseMoeBlock
 
     model = make_core(ref["paths"][name], model_impl="paddleformers").runner.model
-    blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, (SparseMoeBlock, GroupedMoe))]
     assert blocks and all(block.experts.num_experts == 4 and block.top_k == 2 for block in blocks)
     assert not [n for n, layer in model.named_sublayers() if n.endswith("experts") and isinstance(layer, nn.LayerList)]
     if name == "ernie4_5_moe":  # shared experts kept (swapped to core linears), correction bias loaded
         assert all(block.shared_experts is not None and block.e_score_correction_bias is not None for block in blocks)
+    if name == "deepseek_v3":  # the first layer dense; group-limited sigmoid routing with its loaded bias
+        assert len(blocks) == 1 and blocks[0] is model.model.layers[1].mlp
+        gate = blocks[0].gate
+        assert isinstance(gate, GroupedTopkRouter) and (gate.num_groups, gate.topk_group) == (2, 1)
+        assert gate.scoring == "sigmoid" and gate.routed_scaling_factor == 2.5 and gate.renormalize
+        assert float(gate.e_score_correction_bias.abs().max()) > 0 and blocks[0].shared_experts is not None
 
 
 @pytest.mark.parametrize("name", SERVED)
@@ -450,3 +463,102 @@ def test_auto_picks_native_qwen3_and_plugins_command_says_why(ref):
     assert result.exit_code == 0, result.output
     first = result.output.splitlines()[0]
     assert "the paddleformers implementation" in first and "PaddleFormers Qwen3Model" in first
+
+
+@pytest.mark.skipif(not GENERATION_04, reason="DeepSeek-V3 is built by PaddleFormers 0.4 only (1.x needs paddlefleet)")
+def test_deepseek_v3_without_low_rank_query_gives_transformers_tokens(ref):
+    """q_lora_rank null: q from one projection (PaddleFormers' unused q norm removed), 3 of 4
+    experts from both groups, unnormalised weights."""
+    import numpy as np
+
+    name = "deepseek_v3_q_proj"
+    core = make_core(ref["paths"][name], model_impl="paddleformers")
+    assert "q_a_layernorm" not in dict(core.runner.model.model.layers[0].self_attn.named_children())
+    logits = first_step_logits(core, ref["prompts"][ref["logits_prompt"]])
+    assert np.abs(logits - np.array(ref["logits"][name])).max() < 1e-4
+    outs = run(core, [(f"r{i}", p) for i, p in enumerate(ref["prompts"])], ref["max_new"])
+    for i in range(len(ref["prompts"])):
+        assert tokens(outs, f"r{i}") == ref["tokens"][name][i], f"prompt {i}"
+
+
+@pytest.mark.skipif(not GENERATION_04, reason="DeepSeek-V3 is built by PaddleFormers 0.4 only (1.x needs paddlefleet)")
+def test_deepseek_v3_attention_reshapes_by_each_steps_token_count(ref, monkeypatch):
+    """0.4's DeepSeek attention reshapes its rotary key by ``self.seq_length`` (config.seq_length,
+    fixed when built); the engine's steps each have their own length, so the fallback sets it per
+    step. Its rotary also squeezes a one-token step's token axis away: replaced for fallback steps."""
+    import numpy as np
+    from fd_paddleformers import mla
+
+    path, prompts = ref["paths"]["deepseek_v3"], ref["prompts"]
+    core = make_core(path, model_impl="paddleformers")
+    modules = core.runner.model._latent_attention
+    assert len(modules) == core.runner.model.num_layers
+    logits = first_step_logits(core, prompts[1])  # 23 tokens
+    assert np.abs(logits - np.array(ref["logits"]["deepseek_v3"])).max() < 1e-4
+    assert all(module.seq_length == 23 for module in modules)
+    # prompt [1]: every step (prefill and decodes) has one token
+    assert tokens(run(core, [("one", prompts[2])], 8), "one") == ref["tokens"]["deepseek_v3"][2][:8]
+    assert all(module.seq_length == 1 for module in modules)
+
+    monkeypatch.setattr(mla, "set_step_length", lambda modules, num_tokens: None)
+    stale = make_core(path, model_impl="paddleformers")
+    with pytest.raises(ValueError, match="reshape|Reshape"):
+        first_step_logits(stale, prompts[1])
+
+
+@pytest.mark.skipif(not GENERATION_04, reason="DeepSeek-V3 is built by PaddleFormers 0.4 only (1.x needs paddlefleet)")
+def test_deepseek_v3_query_arrives_prescaled_and_is_not_scaled_twice(ref, monkeypatch):
+    """PaddleFormers' MLA wrapper multiplies q by softmax_scale * sqrt(qk_head_dim) and also passes
+    scaling=softmax_scale (0.4's eager kernel applies both: silently wrong). The paged kernel applies
+    qk_head_dim**-0.5; honouring ``scaling`` instead moves the logits far from transformers'."""
+    import numpy as np
+    from fd_paddleformers import mla
+
+    path, prompt = ref["paths"]["deepseek_v3"], ref["prompts"][ref["logits_prompt"]]
+    want = np.array(ref["logits"]["deepseek_v3"])
+    model = make_core(path, model_impl="paddleformers").runner.model
+    attn = model.model.layers[0].self_attn
+    assert attn.softmax_scale != attn.q_head_dim**-0.5  # YaRN's mscale_all_dim: the two scales differ
+    assert model.kv_cache_spec() == (2, 4, 24)  # every head's K (16 + 8) and V padded from 16 to 24
+    monkeypatch.setattr(mla, "kernel_scale", lambda module: module.softmax_scale)
+    twice = first_step_logits(make_core(path, model_impl="paddleformers"), prompt)
+    assert np.abs(twice - want).max() > 1e-2
+
+
+@pytest.mark.skipif(not GENERATION_04, reason="DeepSeek-V3 is built by PaddleFormers 0.4 only (1.x needs paddlefleet)")
+def test_deepseek_v3_checkpoints_paddleformers_would_compute_differently_are_refused(ref):
+    from fd_paddleformers.model import PaddleFormersForCausalLM
+
+    with open(os.path.join(ref["paths"]["deepseek_v3"], "config.json")) as f:
+        config = json.load(f)
+    ok, why = PaddleFormersForCausalLM.supports(dict(config, rope_interleave=False))
+    assert not ok and "rope_interleave" in why
+    ok, why = PaddleFormersForCausalLM.supports(
+        dict(config, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    )
+    assert not ok and "YaRN" in why
+    with pytest.raises(UnsupportedArchitectureError, match="router"):
+        PaddleFormersForCausalLM(dict(config, scoring_func="softmax"))
+
+
+@pytest.mark.skipif(not GENERATION_04, reason="DeepSeek-V3 is built by PaddleFormers 0.4 only (1.x needs paddlefleet)")
+def test_deepseek_v3_multi_token_prediction_tensors_are_skipped(ref):
+    """DeepSeek-V3 checkpoints store their MTP layer as decoder layer num_hidden_layers: the fallback
+    builds none and skips its tensors (past them, an unknown tensor is still an error)."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from fastdeploy_core.errors import ModelLoadError
+
+    from fd_paddleformers.model import PaddleFormersForCausalLM
+
+    path = ref["paths"]["deepseek_v3"]
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    assert config["num_nextn_predict_layers"] == 1
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    mtp = {k.replace("model.layers.1.", "model.layers.2."): v for k, v in weights.items() if "layers.1." in k}
+    PaddleFormersForCausalLM(config).load_weights(list(weights.items()) + list(mtp.items()))
+    stray = [("model.layers.3.input_layernorm.weight", np.ones(64, "float32"))]
+    with pytest.raises(ModelLoadError, match="model.layers.3"):
+        PaddleFormersForCausalLM(config).load_weights(list(weights.items()) + stray)
