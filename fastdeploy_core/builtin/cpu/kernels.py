@@ -3,7 +3,9 @@
 ``csrc/weight_only_gemm.cc`` (float32 and quantized linear layers), ``csrc/paged_attention.cc``
 (rotary + KV write, paged attention), ``csrc/rms_norm.cc``, ``csrc/activation.cc`` (SwiGLU),
 ``csrc/sampling.cc`` (argmax), ``csrc/greedy_head.cc`` (greedy tokens from the float32 LM head
-through an int8 screen), ``csrc/bf16_gemm.cc`` (bfloat16 linear layers), ``csrc/embedding.cc`` (token lookups), ``csrc/moe.cc`` (routed experts, grouped by expert) and ``csrc/graph.cc`` (captured
+through an int8 screen), ``csrc/bf16_gemm.cc`` (bfloat16 linear layers), ``csrc/embedding.cc``
+(token lookups), ``csrc/moe.cc`` (routed experts, grouped by expert), ``csrc/mla_attention.cc``
+(latent attention, absorbed form) and ``csrc/graph.cc`` (captured
 decode steps, see ``graph.h``) are compiled with ``paddle.utils.cpp_extension`` (gcc,
 ``-O3 -march=native``, its own thread pool) into a cache directory (``$FD_KERNEL_CACHE``, default
 ``~/.cache/fastdeploy/kernels``) under a name that hashes the source, the flags, the Paddle
@@ -43,6 +45,7 @@ SOURCES = (
     _CSRC / "graph.cc",
     _CSRC / "moe.cc",
     _CSRC / "bf16_gemm.cc",
+    _CSRC / "mla_attention.cc",
 )
 HEADERS = (_CSRC / "thread_pool.h", _CSRC / "vector_math.h", _CSRC / "f32_tiles.h", _CSRC / "graph.h")
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
@@ -126,8 +129,8 @@ def _build(name: str, build_dir: Path):
 def load_kernels():
     """The kernel module (``fd_f32_linear``, ``fd_int8_linear``, ``fd_int4_linear``, ``fd_fp8_linear``,
     ``fd_rope_write_kv``, ``fd_paged_attention``, ``fd_rms_norm``, ``fd_add_rms_norm``, ``fd_silu_mul``,
-    ``fd_argmax``, ``fd_greedy_head``, ``fd_greedy_head_prepare``, ``fd_fused_moe``, ``fd_bf16_linear``...)
-    or ``None``."""
+    ``fd_argmax``, ``fd_greedy_head``, ``fd_greedy_head_prepare``, ``fd_fused_moe``, ``fd_bf16_linear``,
+    ``fd_mla_absorbed_attention``...) or ``None``."""
     global _module, _failure, _tried
     if _tried:
         return _module

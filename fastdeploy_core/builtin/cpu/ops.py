@@ -350,3 +350,34 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         if topk_ids.dtype != paddle.int64:
             topk_ids = topk_ids.astype("int64")
         return _run("fd_fused_moe", x, w13, w2, topk_weights, topk_ids)[0]
+
+    def mla_paged_attention(self, q, latent, latent_cache, meta, w_kv, scale: float, form: str = "auto"):
+        """``fd_mla_absorbed_attention`` (``csrc/mla_attention.cc``) for the absorbed form (``auto``
+        on a decode-only step, or ``absorbed`` asked for): the latent rows written and attended in
+        C++, one op per layer instead of ~15 Paddle ops, threaded over (token, head) items, each
+        reading its sequence's ``L + dr`` numbers per cached token and never expanding a key or a
+        value. The expanded form (prompt chunks under ``auto``) and anything the kernel does not
+        take (no kernels, not float32) run :meth:`ReferenceOps.mla_paged_attention`."""
+        if form not in self.mla_forms:
+            raise ValueError(f"mla_paged_attention form {form!r} is not one of {', '.join(self.mla_forms)}")
+        absorbed = form == "absorbed" or (form == "auto" and meta.is_decode_only)
+        if (
+            not absorbed
+            or not (self._have_kernels or self._ready())
+            or not isinstance(latent_cache, paddle.Tensor)
+            or q.ndim != 3
+            or any(t.dtype != paddle.float32 for t in (q, latent, latent_cache, w_kv))
+        ):
+            return ReferenceOps.mla_paged_attention(self, q, latent, latent_cache, meta, w_kv, scale, form)
+        return _run(
+            "fd_mla_absorbed_attention",
+            q,
+            latent,
+            latent_cache,
+            meta.slot_mapping,
+            meta.tensor("query_start_loc"),
+            meta.tensor("seq_lens"),
+            meta.tensor("block_tables"),
+            w_kv,
+            float(scale),
+        )[0]
