@@ -33,31 +33,13 @@
 
 namespace {
 
+using fd_kernels::axpy;
+using fd_kernels::dot;
 using fd_kernels::exp16;
 using fd_kernels::f32x16;
 using fd_kernels::hsum;
 using fd_kernels::load16;
 using fd_kernels::store16;
-
-inline float dot(const float* a, const float* b, int64_t d) {
-  int64_t i = 0;
-  float s = 0.f;
-  if (d >= 16) {
-    f32x16 acc{};
-    for (; i + 16 <= d; i += 16) acc += load16(a + i) * load16(b + i);
-    s = hsum(acc);
-  }
-  for (; i < d; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// y += w * x over d floats.
-inline void axpy(float w, const float* x, float* y, int64_t d) {
-  int64_t i = 0;
-  const f32x16 wv = f32x16{} + w;
-  for (; i + 16 <= d; i += 16) store16(y + i, load16(y + i) + wv * load16(x + i));
-  for (; i < d; ++i) y[i] += w * x[i];
-}
 
 struct MlaJob {
   const float* q;        // [T, h, dn + dr]

@@ -60,4 +60,24 @@ inline f32x16 exp16(f32x16 x_in) {
   return x_in < lo ? f32x16{} : e;
 }
 
+// sum of a[i] * b[i] over d floats: 16-lane partial sums, then the tail in order.
+inline float dot(const float* a, const float* b, int64_t d) {
+  int64_t i = 0;
+  float s = 0.f;
+  if (d >= 16) {
+    f32x16 acc{};
+    for (; i + 16 <= d; i += 16) acc += load16(a + i) * load16(b + i);
+    s = hsum(acc);
+  }
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y += w * x over d floats.
+inline void axpy(float w, const float* x, float* y, int64_t d) {
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) store16(y + i, load16(y + i) + w * load16(x + i));
+  for (; i < d; ++i) y[i] += w * x[i];
+}
+
 }  // namespace fd_kernels
