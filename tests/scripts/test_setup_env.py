@@ -89,3 +89,19 @@ def test_the_test_session_installs_the_example_plugin_for_itself(example_chip_on
     assert proc.returncode == 0, proc.stderr
     rows = {row["name"]: row for row in json.loads(proc.stdout)["plugins"]}
     assert rows["example_chip"]["distribution"] == "fd-example-chip" and rows["example_chip"]["status"] == "loaded"
+
+
+def test_every_pyproject_states_its_license_as_an_spdx_string():
+    """setuptools warns at every install about a ``license = { text = ... }`` table (deprecated
+    since setuptools 77): each package of the repository says ``license = "SPDX-expression"``."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
+        import tomli as tomllib
+
+    files = [ROOT / "pyproject.toml", *sorted(ROOT.glob("plugins/*/pyproject.toml"))]
+    assert len(files) >= 13
+    for path in files:
+        with open(path, "rb") as fh:
+            project = tomllib.load(fh)["project"]
+        assert isinstance(project.get("license"), str), f"{path.relative_to(ROOT)}: license {project.get('license')!r}"
