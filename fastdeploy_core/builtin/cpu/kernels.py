@@ -5,7 +5,8 @@
 ``csrc/sampling.cc`` (argmax), ``csrc/greedy_head.cc`` (greedy tokens from the float32 LM head
 through an int8 screen), ``csrc/bf16_gemm.cc`` (bfloat16 linear layers), ``csrc/embedding.cc``
 (token lookups), ``csrc/moe.cc`` (routed experts, grouped by expert), ``csrc/mla_attention.cc``
-(latent attention, absorbed form) and ``csrc/graph.cc`` (captured
+(latent attention, absorbed form), ``csrc/pool_check.cc`` (a self-check of the thread pool)
+and ``csrc/graph.cc`` (captured
 decode steps, see ``graph.h``) are compiled with ``paddle.utils.cpp_extension`` (gcc,
 ``-O3 -march=native``, its own thread pool) into a cache directory (``$FD_KERNEL_CACHE``, default
 ``~/.cache/fastdeploy/kernels``) under a name that hashes the source, the flags, the Paddle
@@ -46,6 +47,7 @@ SOURCES = (
     _CSRC / "moe.cc",
     _CSRC / "bf16_gemm.cc",
     _CSRC / "mla_attention.cc",
+    _CSRC / "pool_check.cc",
 )
 HEADERS = (_CSRC / "thread_pool.h", _CSRC / "vector_math.h", _CSRC / "f32_tiles.h", _CSRC / "graph.h")
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]

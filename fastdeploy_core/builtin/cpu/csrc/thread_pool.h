@@ -33,6 +33,9 @@
 namespace fd_kernels {
 
 constexpr int kDefaultSpinMicros = 200;
+// The index of a closing generation's claim word: past every job's chunk count (a job has
+// fewer than 2^32 - 1 chunks), so nothing can be claimed from it.
+constexpr uint64_t kNoChunk = 0xffffffffu;
 
 class Pool {
  public:
@@ -46,11 +49,19 @@ class Pool {
 
   // Calls fn(ctx, i) for i in [0, total), spread over the caller and the workers.
   void run(int64_t total, void (*fn)(void*, int64_t), void* ctx) {
-    if (workers_.empty() || total <= 1) {
+    if (workers_.empty() || total <= 1 || total >= static_cast<int64_t>(kNoChunk)) {
       for (int64_t i = 0; i < total; ++i) fn(ctx, i);
       return;
     }
     std::lock_guard<std::mutex> serial(run_mutex_);  // one job at a time
+    // Close the previous job before its fields change. A worker may still be in work() for it,
+    // holding an exhausted claim word (gen, total); were next_ left as it is, that worker could
+    // read the new total_, find its old index below it, win the claim (next_ still holds the
+    // old word) and call a half-written fn_ / ctx_ -- or count a chunk into the new job's done_.
+    // With the claim word moved to a closing generation whose index is past any total, every
+    // claim of the old job fails, and a worker that reads the closing word leaves at once.
+    const uint64_t closing = ++generation_;  // 32 bits, wrapping: the claim word holds 32
+    next_.store((closing << 32) | kNoChunk, std::memory_order_seq_cst);
     fn_ = fn;
     ctx_ = ctx;
     total_ = total;
@@ -132,7 +143,10 @@ class Pool {
   std::atomic<int64_t> done_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
-  uint64_t generation_ = 0;
+  // Generations are compared as the claim word holds them (its upper 32 bits), so the counter
+  // wraps at 32 bits: a 64-bit count past 2^32 would never again equal the word's generation
+  // and the caller would wait forever (after ~2^31 jobs: days of serving).
+  uint32_t generation_ = 0;
   int spin_us_ = kDefaultSpinMicros;  // FD_CPU_KERNEL_SPIN: how long an idle worker spins before sleeping
   void (*fn_)(void*, int64_t) = nullptr;
   void* ctx_ = nullptr;
