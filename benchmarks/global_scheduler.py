@@ -30,20 +30,10 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from local_server import fastdeploy, free_port
 from run_stamp import run_stamp
 
 SECRET = "benchmark-secret"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def fastdeploy() -> list[str]:
-    script = os.path.join(os.path.dirname(sys.executable), "fastdeploy")
-    return [script] if os.path.exists(script) else [sys.executable, "-m", "fastdeploy_core.cli"]
 
 
 def start_redis(workdir: str) -> tuple[subprocess.Popen, int]:

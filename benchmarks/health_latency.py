@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,15 +21,10 @@ import threading
 import time
 
 import httpx
+from local_server import free_port
 from run_stamp import run_stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def summarize(samples: list[float]) -> dict[str, float]:

@@ -31,13 +31,13 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import psutil
+from local_server import free_port
 from run_stamp import run_stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -85,12 +85,6 @@ WORDS = [
     "glacier",
     "whistle",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_process(server: psutil.Process) -> psutil.Process:

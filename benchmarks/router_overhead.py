@@ -21,24 +21,18 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 import httpx
+from local_server import free_port
 from run_stamp import run_stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECRET = "router-overhead-benchmark"
 PROMPT = "The capital of France is"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(args: list[str], log_path: str, threads: str) -> subprocess.Popen:

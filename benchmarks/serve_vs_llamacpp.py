@@ -29,12 +29,12 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
+from local_server import free_port
 from run_stamp import run_stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,12 +45,6 @@ from fastdeploy_core.cli.bench_serve import format_summary, make_requests, plot_
 from fastdeploy_core.default_model import default_model_path
 
 LEVELS = {1: 8, 16: 32, 64: 64}  # concurrency -> number of prompts
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:

@@ -16,13 +16,12 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
+from local_server import fastdeploy, free_port
 from run_stamp import run_stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,17 +32,6 @@ SETTINGS = {
 }
 COUNTERS = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
             "spec_decode_num_emitted_tokens_total")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def fastdeploy() -> list[str]:
-    script = os.path.join(os.path.dirname(sys.executable), "fastdeploy")
-    return [script] if os.path.exists(script) else [sys.executable, "-m", "fastdeploy_core.cli"]
 
 
 def metrics(port: int) -> dict[str, float]:
