@@ -217,6 +217,10 @@ class SpeculativeConfig(_Section):
     num_speculative_tokens: int = Field(
         1, ge=1, le=8, description="draft tokens proposed per step for each speculating request"
     )
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, description="no drafts in a step with more running requests than this (vLLM's name): "
+        "a large batch is compute-bound and gains nothing from speculation; None speculates at any size",
+    )
     max_ngram_size: int = Field(5, ge=1, le=64, description="ngram: the longest suffix looked up in the context")
     min_ngram_size: int = Field(2, ge=1, le=64, description="ngram: the shortest suffix looked up")
     model: str | None = Field(

@@ -443,6 +443,9 @@ class EngineCore:
         scheduled into this step (see :meth:`Scheduler.add_drafts`)."""
         from fastdeploy_core.spec_decode import DraftRequest
 
+        limit = self.args.speculative.disable_by_batch_size
+        if limit is not None and self.scheduler.num_running > limit:
+            return  # a batch this large is compute-bound: drafts would cost more than they save
         candidates = self.scheduler.draft_candidates(batch, self.args.speculative.num_speculative_tokens)
         if not candidates:
             return

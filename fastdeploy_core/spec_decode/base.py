@@ -48,6 +48,10 @@ class ProposerContext:
     plugin_manager: Any = None
 
 
+#: ``--speculative-config`` keys the engine reads for every method.
+ENGINE_KEYS = frozenset({"method", "num_speculative_tokens", "disable_by_batch_size"})
+
+
 class Proposer(ABC):
     """Base of speculative-decoding proposers (see the module docstring).
 
@@ -56,7 +60,7 @@ class Proposer(ABC):
     is refused (an option that does nothing would mislead its user).
     """
 
-    #: The ``--speculative-config`` keys (besides method/num_speculative_tokens) this method reads.
+    #: The ``--speculative-config`` keys (besides the engine's: ENGINE_KEYS) this method reads.
     reads: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
@@ -67,7 +71,7 @@ class Proposer(ABC):
     def check_config(cls, config: SpeculativeConfig) -> None:
         """Refuse keys this method would not read (ConfigError naming them)."""
         ignored = sorted(
-            k for k in config.model_fields_set - {"method", "num_speculative_tokens"} if k not in cls.reads
+            k for k in config.model_fields_set - ENGINE_KEYS if k not in cls.reads
         )
         if ignored:
             keys = ", ".join(f"speculative_config.{k}" for k in ignored)
@@ -91,4 +95,7 @@ class Proposer(ABC):
 
     def describe(self) -> dict[str, Any]:
         """Settings for ``/config-info``."""
-        return self.config.model_dump(include={"method", "num_speculative_tokens", *self.reads})
+        shown = {"method", "num_speculative_tokens", *self.reads}
+        if self.config.disable_by_batch_size is not None:
+            shown.add("disable_by_batch_size")
+        return self.config.model_dump(include=shown)

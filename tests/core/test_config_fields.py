@@ -84,6 +84,7 @@ FIELDS: dict[tuple[str, str], tuple] = {
     # Looked up among registered proposers when the engine starts (fastdeploy_core/spec_decode/).
     ("speculative", "method"): read("spec_decode/__init__.py", "manager.proposers, config.method"),
     ("speculative", "num_speculative_tokens"): read(CORE, "self.args.speculative.num_speculative_tokens"),
+    ("speculative", "disable_by_batch_size"): read(CORE, "limit = self.args.speculative.disable_by_batch_size"),
     ("speculative", "max_ngram_size"): read("spec_decode/ngram.py", "cfg.max_ngram_size"),
     ("speculative", "min_ngram_size"): read("spec_decode/ngram.py", "cfg.min_ngram_size"),
     # Read by the draft_model proposer; refused for methods that do not read them (Proposer.reads).

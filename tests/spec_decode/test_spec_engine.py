@@ -111,3 +111,28 @@ def test_default_model_16_chat_and_raw_requests_match_speculation_off(spec, leas
                 assert proposer.num_free_blocks == proposer.num_blocks  # every request's draft blocks freed
         llm.close()
     assert outs["on"] == outs["off"]
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(tiny):
+    """vLLM's ``disable_by_batch_size``: with 5 greedy requests running and a limit of 2, no
+    step carries drafts until at most 2 still run; then speculation resumes. Tokens unchanged."""
+    reqs = [(f"g{i}", p, greedy(40 if i == 0 else 8)) for i, p in enumerate(PROMPTS)]
+    off = run(make_core(tiny, None), reqs)
+    core = make_core(tiny, {**NGRAM, "disable_by_batch_size": 2})
+    drafted_at = []
+    original = core.proposer.propose
+
+    def propose(asks):
+        drafted_at.append(core.scheduler.num_running)
+        return original(asks)
+
+    core.proposer.propose = propose
+    assert run(core, reqs) == off
+    assert drafted_at and max(drafted_at) <= 2, drafted_at
+    assert core.config_info()["speculative_config"]["disable_by_batch_size"] == 2
+    unlimited = make_core(tiny, NGRAM)
+    seen = []
+    original_unlimited = unlimited.proposer.propose
+    unlimited.proposer.propose = lambda asks: seen.append(unlimited.scheduler.num_running) or original_unlimited(asks)
+    run(unlimited, reqs)
+    assert max(seen) == 5  # without the limit the same batch drafts at full size
