@@ -201,7 +201,22 @@ def position_uniform(sample_seed: int | None, position: int) -> float:
     """
     if sample_seed is None:
         return float(np.random.random())
-    return float(np.random.default_rng((sample_seed, position)).random())
+    # A counter-based draw: the SplitMix64 finalizer over (seed, position), 53 bits. About 0.5 us,
+    # against ~11 us to seed a numpy generator per sampled token (a cost on every step's rows).
+    z = _mix64((sample_seed & _MASK64) ^ _mix64(position + _GOLDEN))
+    return (z >> 11) * 2.0**-53
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's output function: a bijection of 64-bit integers that scatters every bit."""
+    z = (z + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def verify_drafts(target_token_ids: list[int], draft_token_ids: list[int]) -> list[int]:
