@@ -30,7 +30,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_server import fastdeploy, free_port
+from local_server import fastdeploy, free_port, wait_healthy
 from run_stamp import run_stamp
 
 SECRET = "benchmark-secret"
@@ -58,20 +58,6 @@ def start_instance(workdir: str, args: argparse.Namespace, extra: list[str]) -> 
     with open(os.path.join(workdir, f"serve-{port}.log"), "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, port
-
-
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"instance on port {port} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"instance on port {port} not healthy in {timeout} s")
 
 
 def counter(port: int, name: str) -> float:

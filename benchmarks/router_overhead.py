@@ -27,7 +27,7 @@ import sys
 import time
 
 import httpx
-from local_server import free_port
+from local_server import free_port, wait_healthy
 from run_stamp import run_stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -102,7 +102,7 @@ def main() -> None:
                    os.path.join(tmp, "server.log"), "2")
     direct, routed = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{router_port}"
     try:
-        wait_until(lambda: httpx.get(f"{direct}/health", timeout=2).status_code == 200, 300, "server")
+        wait_healthy(server_port, server, timeout=300)
         wait_until(lambda: httpx.get(f"{routed}/registered_number", timeout=2).json().get("mixed") == 1, 60,
                    "registration")
         samples: dict[str, dict[str, list[float]]] = {

@@ -18,10 +18,9 @@ import os
 import signal
 import subprocess
 import tempfile
-import time
 
 import httpx
-from local_server import fastdeploy, free_port
+from local_server import fastdeploy, free_port, wait_healthy
 from run_stamp import run_stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,16 +52,7 @@ def run_setting(name: str, spec: dict | None, opts: argparse.Namespace, workdir:
     with open(os.path.join(workdir, f"{name}.log"), "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: server did not start (see {workdir}/{name}.log)")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(port, proc)
         out = os.path.join(workdir, f"{name}.json")
         subprocess.run([*fastdeploy(), "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                         "--num-prompts", str(opts.num_prompts), "--max-concurrency", str(opts.concurrency),
