@@ -159,21 +159,17 @@ class SchedulerConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Tensor parallelism and device choice."""
+    """Tensor parallelism and device choice.
+
+    ``tensor_parallel_size`` > 1 runs one worker process per rank (see
+    ``fastdeploy_core/executor/tensor_parallel.py``); whether the model's heads split over that
+    many ranks is checked when the ranks build it.
+    """
 
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     device: str = "auto"
     attention_backend: str | None = None
 
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _one_device(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(
-                f"got {value}; tensor parallelism is not supported yet (one device runs the whole model); "
-                "use --tensor-parallel-size 1 or drop the flag"
-            )
-        return value
 
 
 class QuantizationConfig(_Section):

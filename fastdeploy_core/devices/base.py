@@ -105,6 +105,14 @@ class Device:
         raise NotImplementedError(f"{cls.__name__}.detect must be implemented by the plugin")
 
     @classmethod
+    def rank_environment(cls, rank: int, world_size: int) -> dict[str, str]:
+        """Environment of the process running tensor-parallel rank ``rank`` of ``world_size``
+        (set before it imports Paddle): :attr:`dist_env`, and the card the rank computes on
+        (``FLAGS_selected_<type>s``, which Paddle's collective layer reads). Devices that share
+        one chip between ranks (the cpu's cores) override it. Only the cpu's has run here."""
+        return {**cls.dist_env, f"FLAGS_selected_{cls.paddle_device_type}s": str(rank)}
+
+    @classmethod
     def device_count(cls) -> int:
         """Number of visible devices of this type (0 when unavailable)."""
         return 1 if cls.detect().available else 0

@@ -212,9 +212,11 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs, plugin_manager=None):
         from fastdeploy_core.executor.model_runner import ModelRunner
+        from fastdeploy_core.executor.tensor_parallel import TensorParallelRunner
 
         self.args = args
-        self.runner = ModelRunner(args, plugin_manager)
+        runner_cls = TensorParallelRunner if args.parallel.tensor_parallel_size > 1 else ModelRunner
+        self.runner = runner_cls(args, plugin_manager)
         self.model_source = self.runner.source
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size

@@ -40,6 +40,7 @@ from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs,
 from fastdeploy_core.executor.step_io import RunnerOutput, SchedulerOutput
 from fastdeploy_core.host_memory import returned_after_loading
 from fastdeploy_core.layers.kv_layout import KVCacheLayout, kv_cache_layout
+from fastdeploy_core.layers.parallel import tp_group
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +144,23 @@ class ModelRunner:
         graph_opt = self.args.graph_opt
         if not graph_opt.enabled or not getattr(self.model, "supports_graph_capture", False):
             return None
+        if tp_group().size > 1:
+            logger.info("captured decode steps are off under tensor parallelism (the collectives are not ops-table calls)")
+            return None
         max_seqs = self.args.scheduler.max_num_seqs
         sizes = graph_opt.cudagraph_capture_sizes or range(1, max_seqs + 1)
         return DecodeGraphs(self.model, self.ops, self.kv_caches, sizes, self.max_model_len, self.block_size)
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Hold ``num_blocks`` KV blocks instead (tensor-parallel ranks agree on the smallest count)."""
+        if num_blocks == self.num_blocks:
+            return
+        if self.graphs is not None:
+            self.graphs.release()
+        self.kv_caches = []
+        self.num_blocks = num_blocks
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        self.graphs = self._decode_graphs()
 
     def close(self) -> None:
         """Free the captured decode steps, the KV cache and the weights now, not whenever the

@@ -27,6 +27,7 @@ from fastdeploy_core.layers.kv_layout import KVCacheLayout
 from fastdeploy_core.layers.linear import Linear, LinearMethodBase, MergedColumnLinear, QKVLinear
 from fastdeploy_core.layers.moe import FusedMoE
 from fastdeploy_core.layers.norm import RMSNorm
+from fastdeploy_core.layers.parallel import head_share
 from fastdeploy_core.layers.rotary import get_rope, rope_settings
 
 if TYPE_CHECKING:
@@ -86,9 +87,8 @@ class DecoderAttention(nn.Layer):
 
     def __init__(self, dims: DecoderDims, layer_index: int, quant_config=None, prefix: str = ""):
         super().__init__()
-        self.num_heads = dims.num_heads
-        self.num_kv_heads = dims.num_kv_heads
-        self.head_dim = dims.head_dim
+        # Under tensor parallelism: this rank's heads (column-parallel QKV), their share of the
+        # output projection's inputs (row-parallel, all-reduced).
         self.qkv_proj = QKVLinear(
             dims.hidden_size,
             dims.head_dim,
@@ -97,13 +97,20 @@ class DecoderAttention(nn.Layer):
             bias=dims.qkv_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
+            tp="column",
         )
+        heads = self.qkv_proj.heads
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
+        self.head_dim = dims.head_dim
         self.o_proj = Linear(
             dims.num_heads * dims.head_dim,
             dims.hidden_size,
             bias=dims.o_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
+            tp="row",
+            tp_range=(heads.q_start * dims.head_dim, heads.q_stop * dims.head_dim),
         )
         if dims.qk_norm:
             self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
@@ -112,7 +119,7 @@ class DecoderAttention(nn.Layer):
             self.q_norm = self.k_norm = None
         self.rotary_emb = get_rope(dims.head_dim, dims.max_positions, dims.rope_theta, dims.rope_scaling)
         self.attn = Attention(
-            dims.num_heads, dims.head_dim, dims.num_kv_heads, sliding_window=dims.layer_windows[layer_index]
+            self.num_heads, dims.head_dim, self.num_kv_heads, sliding_window=dims.layer_windows[layer_index]
         )
 
     def forward(self, positions: paddle.Tensor, hidden: paddle.Tensor, kv_cache, meta: ForwardMeta) -> paddle.Tensor:
@@ -149,9 +156,13 @@ class GatedMLP(nn.Layer):
             bias=bias,
             quant_config=quant_config,
             prefix=f"{prefix}.gate_up_proj",
+            tp="column",
         )
+        # this rank's share of the intermediate features: the same split as gate and up
+        share = self.gate_up_proj.tp_rows[0] if self.gate_up_proj.tp_rows else None
         self.down_proj = Linear(
-            intermediate_size, hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+            intermediate_size, hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj",
+            tp="row", tp_range=share,
         )
         self.act_fn = get_gated_activation(hidden_act)
 
@@ -284,8 +295,9 @@ class DecoderForCausalLM(nn.Layer):
         return self.lm_head.greedy_tokens(hidden)
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
-        """``(num_layers, num_kv_heads, head_dim)`` of the paged KV cache this model needs."""
-        return self.dims.num_layers, self.dims.num_kv_heads, self.dims.head_dim
+        """``(num_layers, num_kv_heads, head_dim)`` of the paged KV cache this model needs (this
+        rank's KV heads under tensor parallelism)."""
+        return self.dims.num_layers, head_share(self.dims.num_heads, self.dims.num_kv_heads).num_kv_heads, self.dims.head_dim
 
     def kv_cache_layout(self) -> KVCacheLayout:
         """What the runner allocates per layer: a key and a value per KV head here."""

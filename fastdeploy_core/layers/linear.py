@@ -14,11 +14,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import paddle
 from paddle import nn
 
 from fastdeploy_core.devices.current import current_ops
 from fastdeploy_core.errors import ModelLoadError
+from fastdeploy_core.layers.parallel import (
+    HeadShare,
+    head_share,
+    partition,
+    split_unit,
+    take_columns,
+    take_rows,
+    tp_group,
+)
 from fastdeploy_core.layers.weights import as_float32, new_parameter, replace_parameter
 
 
@@ -71,17 +81,69 @@ class Linear(nn.Layer):
         quant_config: object with ``get_quant_method(layer, prefix)`` returning a
             :class:`LinearMethodBase` (or ``None`` for unquantized); ``None`` = float32.
         prefix: the layer's checkpoint name prefix (quantizers may skip some layers by name).
+        tp: under tensor parallelism (:mod:`~fastdeploy_core.layers.parallel`), ``"column"``
+            keeps this rank's share of the outputs, ``"row"`` its share of the inputs and sums
+            the ranks' partial outputs (all-reduce); ``None`` keeps the whole layer on every rank.
+        tp_range: the share (``[start, stop)`` of the split axis) when the caller decides it
+            (attention heads); else an even split in whole units of up to 128.
+
+    ``input_size`` / ``output_size`` are then this rank's sizes; the weight loaders take the
+    checkpoint's whole tensor and keep only the rank's rows or columns (a view: a memory-mapped
+    checkpoint reads only those), so no rank holds the whole weight.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_config=None, prefix: str = ""):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_config=None,
+        prefix: str = "",
+        tp: str | None = None,
+        tp_range: tuple[int, int] | None = None,
+    ):
         super().__init__()
-        self.input_size = int(input_size)
-        self.output_size = int(output_size)
+        self.full_input_size = int(input_size)
         self.has_bias = bool(bias)
         self.prefix = prefix
+        group = tp_group()
+        self.tp_mode = tp if group.size > 1 else None
+        self.tp_rows: dict | None = getattr(self, "tp_rows", None)  # shard id -> checkpoint rows kept
+        self.tp_cols: tuple[int, int] | None = None  # checkpoint inputs kept
+        if self.tp_mode == "column" and self.tp_rows is None:
+            share = tp_range or partition(output_size, group.size, group.rank, split_unit(output_size, group.size))
+            self.tp_rows = {None: share}
+            output_size = share[1] - share[0]
+        elif self.tp_mode == "row":
+            self.tp_cols = tp_range or partition(input_size, group.size, group.rank, split_unit(input_size, group.size))
+            input_size = self.tp_cols[1] - self.tp_cols[0]
+        elif self.tp_mode not in (None, "column"):
+            raise ValueError(f"tp must be 'column', 'row' or None, not {tp!r}")
+        self.input_size = int(input_size)
+        self.output_size = int(output_size)
         method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
         self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self)
+        if self.tp_mode is not None:
+            for param in self.parameters(include_sublayers=False):
+                if getattr(param, "weight_loader", None) is not None:
+                    param.weight_loader = self._rank_share_loader(param.weight_loader)
+
+    def _rank_share_loader(self, load):
+        """``load`` given only this rank's share of each checkpoint tensor. A row-parallel bias
+        is added once: rank 0 keeps it, the others load zeros (the all-reduce sums the ranks)."""
+
+        def load_share(param, loaded, shard_id=None) -> None:
+            if self.tp_rows is not None:
+                loaded = take_rows(loaded, *self.tp_rows[shard_id])
+            if self.tp_cols is not None:
+                if getattr(loaded, "ndim", 2) == 1 and param is self.bias:
+                    loaded = loaded if tp_group().rank == 0 else np.zeros_like(np.asarray(loaded))
+                else:
+                    loaded = take_columns(loaded, *self.tp_cols, self.full_input_size, self.prefix or "linear")
+            load(param, loaded, shard_id)
+
+        return load_share
 
     def weight_loader(self, param: paddle.Tensor, loaded, shard_id=None) -> None:
         """Load a checkpoint weight ``[out, in]`` (transposed here) or bias ``[out]``."""
@@ -96,6 +158,8 @@ class Linear(nn.Layer):
         param.set_value(array)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.tp_mode == "row":
+            return tp_group().all_reduce(self.quant_method.apply(self, x))
         return self.quant_method.apply(self, x)
 
 
@@ -116,16 +180,30 @@ class MergedColumnLinear(Linear):
         quant_config=None,
         prefix: str = "",
         shard_names: Sequence[str] | None = None,
+        tp: str | None = None,
+        tp_shares: Sequence[tuple[int, int]] | None = None,
     ):
         self.output_sizes = [int(s) for s in output_sizes]
         self.shard_names = list(shard_names) if shard_names is not None else [str(i) for i in range(len(output_sizes))]
         if len(self.shard_names) != len(self.output_sizes):
             raise ValueError("shard_names and output_sizes must have the same length")
+        group = tp_group()
+        if tp == "column" and group.size > 1:
+            # each part split on its own: this rank's rows of q, of k, of v (or of gate, of up)
+            shares = list(tp_shares) if tp_shares is not None else [
+                partition(size, group.size, group.rank, split_unit(size, group.size)) for size in self.output_sizes
+            ]
+            self.tp_rows = {}
+            for index, (name, share) in enumerate(zip(self.shard_names, shares)):
+                self.tp_rows[name] = self.tp_rows[index] = share
+            self.output_sizes = [stop - start for start, stop in shares]
+        elif tp not in (None, "column"):
+            raise ValueError(f"a merged column layer splits its outputs: tp must be 'column' or None, not {tp!r}")
         offsets = [0]
         for size in self.output_sizes:
             offsets.append(offsets[-1] + size)
         self.shard_offsets = offsets
-        super().__init__(input_size, offsets[-1], bias=bias, quant_config=quant_config, prefix=prefix)
+        super().__init__(input_size, offsets[-1], bias=bias, quant_config=quant_config, prefix=prefix, tp=tp)
 
     def shard_range(self, shard_id) -> tuple[int, int]:
         """Output columns ``[start, stop)`` of shard ``shard_id`` (name or index)."""
@@ -163,11 +241,17 @@ class QKVLinear(MergedColumnLinear):
         bias: bool = False,
         quant_config=None,
         prefix: str = "",
+        tp: str | None = None,
     ):
         self.head_dim = head_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        #: this rank's heads (all of them without tensor parallelism)
+        self.heads = head_share(num_heads, num_kv_heads) if tp == "column" else HeadShare(0, num_heads, 0, num_kv_heads)
+        self.num_heads = self.heads.num_heads
+        self.num_kv_heads = self.heads.num_kv_heads
+        q = (self.heads.q_start * head_dim, self.heads.q_stop * head_dim)
+        kv = (self.heads.kv_start * head_dim, self.heads.kv_stop * head_dim)
         super().__init__(
-            hidden_size, sizes, bias=bias, quant_config=quant_config, prefix=prefix, shard_names=("q", "k", "v")
+            hidden_size, sizes, bias=bias, quant_config=quant_config, prefix=prefix, shard_names=("q", "k", "v"),
+            tp=tp, tp_shares=(q, kv, kv),
         )

@@ -52,6 +52,20 @@ class GGUFBlocks:
         """The same tensor with its output rows taken in ``order`` (a model plugin's ``row_order``)."""
         return GGUFBlocks(self.type_name, self.data[order], self.shape)
 
+    def take_rows(self, start: int, stop: int) -> GGUFBlocks:
+        """Output rows ``[start, stop)`` (a tensor-parallel rank's share of a column-parallel layer)."""
+        return GGUFBlocks(self.type_name, self.data[start:stop], (stop - start, self.shape[1]))
+
+    def take_columns(self, start: int, stop: int) -> GGUFBlocks:
+        """Inputs ``[start, stop)`` (a row-parallel layer's share); whole blocks only."""
+        if start % BLOCK or stop % BLOCK:
+            raise ModelLoadError(
+                f"GGUF {self.type_name} tensor of shape {self.shape}: inputs {start}:{stop} split a block of {BLOCK}; "
+                "use another tensor parallel size"
+            )
+        blocks = self.blocks()[:, start // BLOCK:stop // BLOCK]
+        return GGUFBlocks(self.type_name, blocks.reshape(self.shape[0], -1), (self.shape[0], stop - start))
+
     def dequantize(self) -> np.ndarray:
         """Float32 ``[out, in]`` (through gguf-py), for storage that cannot hold the blocks."""
         from gguf import GGMLQuantizationType, quants

@@ -47,6 +47,7 @@ class Int8EmbeddingMethod:
         from fastdeploy_core.quantization.gguf import q8_0_to_int8
 
         shape = (layer.vocab_size, layer.hidden_size)
+        loaded = layer.rank_rows(loaded)  # a tensor-parallel rank's share of the vocabulary
         if isinstance(loaded, GGUFBlocks):
             if loaded.shape != shape:
                 raise ModelLoadError(f"embedding: GGUF tensor of shape {loaded.shape}, expected {shape}")

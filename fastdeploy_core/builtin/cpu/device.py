@@ -45,6 +45,16 @@ class CpuDevice(Device):
         return 1
 
     @classmethod
+    def rank_environment(cls, rank: int, world_size: int) -> dict[str, str]:
+        """Tensor-parallel ranks share the cores: each gets ``FD_CPU_THREADS_PER_RANK`` threads
+        (default: the usable cores divided by the ranks, at least one) for Paddle's OpenMP and
+        the C++ kernels' pool."""
+        from fastdeploy_core.builtin.cpu.process_env import KERNEL_THREADS_ENV, threads_per_rank
+
+        threads = str(threads_per_rank(world_size))
+        return {**cls.dist_env, "OMP_NUM_THREADS": threads, KERNEL_THREADS_ENV: threads}
+
+    @classmethod
     def memory_info(cls, index: int = 0) -> MemoryInfo:
         total = _meminfo_bytes("MemTotal")
         free = _meminfo_bytes("MemAvailable")

@@ -49,6 +49,21 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+#: Threads of each tensor-parallel rank on the cpu (default: the usable cores split between the ranks).
+THREADS_PER_RANK_ENV = "FD_CPU_THREADS_PER_RANK"
+
+
+def threads_per_rank(world_size: int, environ: MutableMapping[str, str] | None = None) -> int:
+    """``FD_CPU_THREADS_PER_RANK`` if set (a positive integer), else ``usable_cores() // world_size``, at least 1."""
+    environ = os.environ if environ is None else environ
+    given = environ.get(THREADS_PER_RANK_ENV, "").strip()
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"{THREADS_PER_RANK_ENV}={given!r}: give a positive number of threads")
+        return int(given)
+    return max(1, usable_cores() // world_size)
+
+
 def is_amd_cpu() -> bool:
     try:
         with open("/proc/cpuinfo") as fh:
