@@ -88,7 +88,7 @@ def serve(
     num_gpu_blocks_override: int | None = typer.Option(None, "--num-gpu-blocks-override", help="Exact number of KV-cache blocks."),
     kv_cache_memory: str | None = typer.Option(None, "--kv-cache-memory", help="Exact KV-cache size in bytes: 2GiB, 512MiB, 1.5GB or a number (default: the device's rule, logged at start)."),
     kv_cache_ratio: float | None = typer.Option(None, "--kv-cache-ratio", help="Share of the KV blocks new prompts may fill while others run; the rest is kept for their output (FastDeploy's prefill/decode split; default 1.0)."),
-    tensor_parallel_size: int | None = typer.Option(None, "--tensor-parallel-size", help="Devices to split the model over; only 1 (tensor parallelism is not implemented yet)."),
+    tensor_parallel_size: int | None = typer.Option(None, "--tensor-parallel-size", "-tp", help="Ranks to split the model over, one worker process each (on the cpu: the cores split between them)."),
     model_impl: str | None = typer.Option(None, "--model-impl", help="auto | fastdeploy | paddleformers."),
     quantization: str | None = typer.Option(None, "--quantization", help="Quantization method name or FastDeploy JSON."),
     dtype: str | None = typer.Option(None, "--dtype", help="auto | float32 (default: float32 throughout) | bfloat16 (linear layers and the LM head in bfloat16 with float32 sums; embedding, norms, attention and the KV cache stay float32; not with --quantization). float16 is refused."),

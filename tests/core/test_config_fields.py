@@ -76,8 +76,8 @@ FIELDS: dict[tuple[str, str], tuple] = {
     ("scheduler", "scheduler_writer_parallel"): read(GLOBAL, "config.scheduler_writer_parallel"),
     ("scheduler", "scheduler_reader_batch_size"): read(GLOBAL, "self.config.scheduler_reader_batch_size"),
     ("scheduler", "scheduler_writer_batch_size"): read(GLOBAL, "self.config.scheduler_writer_batch_size"),
-    # 1 (one device, what runs) is accepted; more is refused.
-    ("parallel", "tensor_parallel_size"): refused(2, "tensor parallelism is not supported yet"),
+    # More than 1 runs a worker process per rank (executor/tensor_parallel.py).
+    ("parallel", "tensor_parallel_size"): read(CORE, "args.parallel.tensor_parallel_size > 1"),
     ("parallel", "device"): read(RUNNER, "pm.select_device(args.parallel.device)"),
     ("parallel", "attention_backend"): read(RUNNER, "make_ops(args.parallel.attention_backend)"),
     ("quant", "quantization"): read(RUNNER, "args.quant.quantization,"),

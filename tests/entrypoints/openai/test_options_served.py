@@ -196,7 +196,7 @@ def test_request_chat_template_is_refused_without_the_operators_flag(server):
 @pytest.mark.parametrize(
     "flags, says",
     [
-        (["--tensor-parallel-size", "2"], "tensor_parallel_size: got 2; tensor parallelism is not supported yet"),
+        (["--tensor-parallel-size", "0"], "tensor_parallel_size: got 0; must be >= 1"),
         (["--kv-cache-ratio", "0"], "kv_cache_ratio: got 0.0; must be > 0.0"),
         (["--policy", "lottery"], "policy: got 'lottery'; must be one of 'fcfs' or 'priority'"),
     ],

@@ -59,7 +59,7 @@ def test_api_keys_from_flags_and_env(monkeypatch):
     "key, value, says",
     [
         ("kv_cache_ratio", 1.5, "kv_cache_ratio: got 1.5; must be <= 1.0"),
-        ("tensor_parallel_size", 2, "tensor_parallel_size: got 2; tensor parallelism is not supported yet"),
+        ("tensor_parallel_size", 0, "tensor_parallel_size: got 0; must be >= 1"),
         ("scheduler_name", "nosuch", ("scheduler_name: no scheduler 'nosuch' is registered; registered schedulers: "
                                       "global (fastdeploy-core), local (fastdeploy-core)")),
         ("speculative_config", {"method": "mtp"}, ("speculative_config.method: no speculative decoding method 'mtp' "
