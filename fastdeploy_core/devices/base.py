@@ -113,6 +113,16 @@ class Device:
         return {**cls.dist_env, f"FLAGS_selected_{cls.paddle_device_type}s": str(rank)}
 
     @classmethod
+    def tp_collectives(cls, rank: int, world_size: int, session: str):
+        """The collectives tensor-parallel ranks on this device use, built on every rank once
+        ``paddle.distributed`` is initialised (``session``: a token unique to this launch):
+        ``paddle.distributed``'s on :attr:`dist_backend` here; the cpu device offers shared
+        memory between ranks on one host (:mod:`fastdeploy_core.devices.collectives`)."""
+        from fastdeploy_core.devices.collectives import PaddleCollectives
+
+        return PaddleCollectives()
+
+    @classmethod
     def device_count(cls) -> int:
         """Number of visible devices of this type (0 when unavailable)."""
         return 1 if cls.detect().available else 0

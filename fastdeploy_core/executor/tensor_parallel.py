@@ -6,8 +6,10 @@ scheduler and talks to a :class:`TensorParallelRunner`, which starts N processes
 the model (:mod:`fastdeploy_core.layers.parallel`: heads, MLP features and vocabulary split,
 weights sliced as they load, each rank its own KV cache of its heads). The ranks meet through
 ``paddle.distributed`` on the backend the device names (``Device.dist_backend``: gloo here) at
-a rendezvous on free loopback ports; the device's ``rank_environment`` gives each rank its
-settings (the cpu device: its share of the cores).
+a rendezvous on free loopback ports, then use the device's collectives
+(``Device.tp_collectives``: on the cpu, shared memory between ranks on one host; gloo for
+tensors larger than its slots); the device's ``rank_environment`` gives each rank its settings
+(the cpu device: its share of the cores).
 
 Every step goes to every rank; each runs the same forward (the all-reduces and the logits'
 all-gather meet inside it), and each samples from the gathered logits with the same seeds;
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -127,8 +130,9 @@ class TensorParallelRunner:
                 env.update(PADDLE_TRAINER_ID=str(rank), PADDLE_CURRENT_ENDPOINT=endpoints[rank])
                 env.update(device_cls.rank_environment(rank, self.size))
                 self.ranks.append(_Rank(rank, env))
+            session = secrets.token_hex(8)
             for r in self.ranks:
-                r.conn.send(("init", flat, r.rank, self.size))
+                r.conn.send(("init", flat, r.rank, self.size, session))
             ready = self._gather("ready", STARTUP_TIMEOUT_S)
             self.num_blocks = min(message[1] for message in ready)
             for r in self.ranks:

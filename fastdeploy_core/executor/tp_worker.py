@@ -7,7 +7,7 @@ a socket pair as file descriptor ``FD``: an anonymous channel only the two proce
 address, nothing else can connect), over which the driver and the worker exchange Python
 objects.
 
-driver -> worker: ``("init", engine_args_flat, rank, size)``, ``("blocks", n)``, ``("step",
+driver -> worker: ``("init", engine_args_flat, rank, size, session)``, ``("blocks", n)``, ``("step",
 SchedulerOutput)``, ``("close",)``; worker -> driver: ``("ready", num_blocks, info)``, ``("sized",)``,
 ``("output", RunnerOutput)`` (rank 0 only: every rank runs the step, rank 0's result is the
 step's), ``("error", type, message, param)`` after which the worker exits.
@@ -32,17 +32,22 @@ def serve(conn: Connection) -> int:
     message = conn.recv()
     if message[0] != "init":
         return 2
-    _, flat, rank, size = message
+    _, flat, rank, size, session = message
     try:
         import paddle.distributed as dist
 
         from fastdeploy_core.config import EngineArgs
         from fastdeploy_core.executor.model_runner import ModelRunner
         from fastdeploy_core.layers.parallel import set_tensor_parallel
+        from fastdeploy_core.plugins import load_plugins
 
+        args = EngineArgs.create(**flat)
+        pm = load_plugins()
+        device_cls = pm.select_device(args.parallel.device)
         dist.init_parallel_env()
-        set_tensor_parallel(rank, size)
-        runner = ModelRunner(EngineArgs.create(**flat))
+        collectives = device_cls.tp_collectives(rank, size, session)
+        set_tensor_parallel(rank, size, collectives)
+        runner = ModelRunner(args, pm)
         conn.send(("ready", runner.num_blocks, runner.describe()))
     except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises it
         traceback.print_exc()

@@ -7,8 +7,8 @@ one rank (the default) every share is the whole and the collectives are never ca
 Shares are contiguous and as even as the unit allows (:func:`partition`): the first ranks take
 one unit more when the count does not divide. So SmolLM2's 3 KV heads over 2 ranks are 2 + 1
 (with their 6 + 3 query heads), which the row-parallel output projection and the sum of the
-all-reduce handle like an even split. The collectives go through ``paddle.distributed`` on
-the backend the device names (``Device.dist_backend``: gloo on the cpu).
+all-reduce handle like an even split. The collectives are the device's
+(:meth:`Device.tp_collectives`; ``paddle.distributed`` on its ``dist_backend`` by default).
 """
 
 from __future__ import annotations
@@ -17,32 +17,26 @@ from dataclasses import dataclass
 
 import paddle
 
+from fastdeploy_core.devices.collectives import Collectives, PaddleCollectives
 from fastdeploy_core.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
-    """This process's ``rank`` among ``size`` ranks of one model."""
+    """This process's ``rank`` among ``size`` ranks of one model, and the collectives they share
+    (the device's, :meth:`Device.tp_collectives`)."""
 
     rank: int = 0
     size: int = 1
+    collectives: Collectives | None = None
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
-        """The sum of ``x`` over the ranks (in place; returned for chaining)."""
-        if self.size > 1:
-            paddle.distributed.all_reduce(x)
-        return x
+        """The sum of ``x`` over the ranks (``x`` itself with one rank)."""
+        return self.collectives.all_reduce(x) if self.size > 1 else x
 
     def all_gather_columns(self, x: paddle.Tensor, widths: list[int]) -> paddle.Tensor:
         """``[B, widths[rank]]`` on each rank -> ``[B, sum(widths)]`` in rank order on all."""
-        if self.size == 1:
-            return x
-        widest = max(widths)
-        if x.shape[-1] < widest:  # the collective takes one shape: pad, then trim
-            x = paddle.concat([x, paddle.zeros([x.shape[0], widest - x.shape[-1]], dtype=x.dtype)], axis=-1)
-        parts: list[paddle.Tensor] = []
-        paddle.distributed.all_gather(parts, x)
-        return paddle.concat([part[:, :width] for part, width in zip(parts, widths)], axis=-1)
+        return self.collectives.all_gather_columns(x, widths) if self.size > 1 else x
 
 
 _GROUP = TensorParallelGroup()
@@ -53,12 +47,13 @@ def tp_group() -> TensorParallelGroup:
     return _GROUP
 
 
-def set_tensor_parallel(rank: int, size: int) -> TensorParallelGroup:
-    """Make this process rank ``rank`` of ``size`` (the collectives must be initialised already)."""
+def set_tensor_parallel(rank: int, size: int, collectives: Collectives | None = None) -> TensorParallelGroup:
+    """Make this process rank ``rank`` of ``size``; ``collectives`` default to ``paddle.distributed``'s
+    (its process group must be initialised already)."""
     global _GROUP
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is not in 0..{size - 1}")
-    _GROUP = TensorParallelGroup(rank, size)
+    _GROUP = TensorParallelGroup(rank, size, collectives or PaddleCollectives())
     return _GROUP
 
 
