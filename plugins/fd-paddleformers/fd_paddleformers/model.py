@@ -49,6 +49,7 @@ from fd_paddleformers.attention import (
 )
 from fd_paddleformers import mla
 from fd_paddleformers.generations import MappingNotDeclared
+from fd_paddleformers.parallel_plan import local_heads, parallel_plan
 from fd_paddleformers.moe import checkpoint_sources, is_moe_block, make_block, router_spec
 from fd_paddleformers.rotary import fallback_step, install_fast_rotary
 from fd_paddleformers.weight_mapping import Rule, fuse
@@ -182,6 +183,9 @@ class PaddleFormersForCausalLM(nn.Layer):
         self.packed_modules_mapping: dict[str, tuple[str, str]] = {}
         self.rules = self._complete_rules(rules)
         self._swap_moe(architecture)
+        #: linears that split across tensor-parallel ranks (empty with one rank)
+        self.tp_plan = parallel_plan(self.model, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.num_local_heads, self.num_local_kv_heads = local_heads(self.num_heads, self.num_kv_heads, self.tp_plan)
         self._merge_gate_up()
         self._swap_layers()
         self._bind_attention(architecture)
@@ -195,12 +199,15 @@ class PaddleFormersForCausalLM(nn.Layer):
     def _replacement(self, child: nn.Layer, path: str, pf_rms_norm: type) -> nn.Layer | None:
         if type(child) is nn.Linear:
             in_features, out_features = child.weight.shape
+            tp, share = self.tp_plan.get(path, (None, None))
             layer = Linear(
                 in_features,
                 out_features,
                 bias=child.bias is not None,
                 quant_config=self.quant_config,
                 prefix=f"model.{path}",
+                tp=tp,
+                tp_range=share,
             )
             self._linear_weights.add(f"{path}.weight")
             return layer
@@ -238,6 +245,7 @@ class PaddleFormersForCausalLM(nn.Layer):
                 if child is gate or child is up:
                     names.setdefault("gate" if child is gate else "up", name)
                     del mlp._sub_layers[name]
+            down_plan = self.tp_plan.get(f"{path}.down_proj")
             merged = MergedColumnLinear(
                 hidden,
                 [inter, inter],
@@ -245,6 +253,8 @@ class PaddleFormersForCausalLM(nn.Layer):
                 quant_config=self.quant_config,
                 prefix=f"model.{path}.{fused_name}",
                 shard_names=("gate", "up"),
+                tp="column" if down_plan else None,
+                tp_shares=(down_plan[1], down_plan[1]) if down_plan else None,
             )
             setattr(mlp, fused_name, merged)
             mlp.fuse_up_gate = True
@@ -311,7 +321,7 @@ class PaddleFormersForCausalLM(nn.Layer):
                 self._latent_attention.append(attn)
                 continue
             scale = getattr(attn, "scaling", None)
-            core_attention = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale)
+            core_attention = Attention(self.num_local_heads, self.head_dim, self.num_local_kv_heads, scale)
             setattr(
                 attn,
                 BINDING_ATTRIBUTE,
@@ -403,8 +413,11 @@ class PaddleFormersForCausalLM(nn.Layer):
         return self.lm_head(hidden)
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
-        """``(num_layers, num_kv_heads, head_dim)`` of the paged KV cache this model needs."""
-        return self.num_layers, self.num_kv_heads, self.head_dim
+        """``(num_layers, num_kv_heads, head_dim)`` of the paged KV cache this model needs (this
+        rank's KV heads when attention splits across tensor-parallel ranks)."""
+        if self._latent_attention:
+            return self.num_layers, self.num_kv_heads, self.head_dim
+        return self.num_layers, self.num_local_kv_heads, self.head_dim
 
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
         """Load HF-named checkpoint tensors through PaddleFormers' mapping rules.

@@ -562,3 +562,23 @@ def test_deepseek_v3_multi_token_prediction_tensors_are_skipped(ref):
     stray = [("model.layers.3.input_layernorm.weight", np.ones(64, "float32"))]
     with pytest.raises(ModelLoadError, match="model.layers.3"):
         PaddleFormersForCausalLM(config).load_weights(list(weights.items()) + stray)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in ("ernie4_5", "qwen3", "ernie4_5_moe") if n in SERVED])
+def test_fallback_under_tensor_parallelism_gives_transformers_tokens(ref, name):
+    """Two rank processes: the fallback's Q/K/V, output, gate/up and down projections, its
+    embedding and LM head split across the ranks as PaddleFormers' tp_plan says (each rank
+    caches 1 of the 2 KV heads); experts stay whole on each rank, and so does PaddleFormers 1.x's
+    ERNIE attention, whose Q/K/V is one fused projection (both ranks cache both KV heads)."""
+    path, prompts, max_new = ref["paths"][name], ref["prompts"], ref["max_new"]
+    core = make_core(path, model_impl="paddleformers", tensor_parallel_size=2)
+    try:
+        info = core.config_info()
+        assert info["model_impl"] == "paddleformers"
+        assert info["kv_cache_spec"]["token_shapes"][0][0] == (1 if GENERATION_04 else 2)  # the rank's KV heads
+        outs = run(core, [(f"r{i}", p) for i, p in enumerate(prompts)], max_new)
+        for i in range(len(prompts)):
+            assert tokens(outs, f"r{i}") == ref["tokens"][name][i], f"prompt {i}"
+    finally:
+        core.runner.close()
