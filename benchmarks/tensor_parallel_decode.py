@@ -9,11 +9,13 @@ rank processes, ``FD_CPU_THREADS_PER_RANK=1``, gloo over loopback). Each round r
 (batch, variant) with the same prompts of ``--prompt`` random tokens and ``--tokens`` greedy
 tokens; only steps in which every request decodes are timed; the best round is kept.
 
-The all-reduce share of a tensor-parallel step is estimated in the same run: two gloo processes
-time the step's collectives at its shapes (an all-reduce of ``[batch, hidden]`` per attention
-and per MLP block and one for the embedding, an all-gather of the logits' halves) and their sum
-is divided by the measured step time. No speed-up is expected on two cores: the ranks split
-the same two cores, and every step adds 61 collectives of about a millisecond each.
+The all-reduce share of a tensor-parallel step is estimated in the same run: two one-thread
+processes time the step's collectives at its shapes (an all-reduce of ``[batch, hidden]`` per
+attention and per MLP block and one for the embedding, an all-gather of the logits' halves)
+through the cpu device's shared-memory collectives (what its ranks use), and through gloo
+(``paddle.distributed``) beside them; the shared-memory sum is divided by the measured step
+time. No speed-up is expected on two cores: the ranks split the same two cores, and every step
+adds 61 collectives.
 """
 
 from __future__ import annotations
@@ -30,23 +32,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.run_stamp import run_stamp  # noqa: E402
 
 _COLLECTIVE_PROBE = r"""
-import os, sys, time, json
-import paddle, paddle.distributed as dist
+import json, sys, time
+import paddle
 paddle.set_device("cpu")
-dist.init_parallel_env()
-batch, hidden, vocab, reduces, repeats = map(int, sys.argv[1:6])
+kind, rank, batch, hidden, vocab, reduces, repeats, session = sys.argv[1:9]
+rank, batch, hidden, vocab, reduces, repeats = map(int, (rank, batch, hidden, vocab, reduces, repeats))
+if kind == "gloo":
+    import paddle.distributed as dist
+    from fastdeploy_core.devices.collectives import PaddleCollectives
+    dist.init_parallel_env()
+    c = PaddleCollectives()
+else:
+    from fastdeploy_core.builtin.cpu.shm_collectives import SharedMemoryCollectives
+    c = SharedMemoryCollectives(rank, 2, session)
 x = paddle.ones([batch, hidden])
 y = paddle.ones([batch, vocab // 2])
 for _ in range(5):
-    dist.all_reduce(x)
+    c.all_reduce(x)
 start = time.perf_counter()
 for _ in range(repeats):
     for _ in range(reduces):
-        dist.all_reduce(x)
-    parts = []
-    dist.all_gather(parts, y)
+        c.all_reduce(x)
+    c.all_gather_columns(y, [vocab // 2, vocab // 2])
 per_step = (time.perf_counter() - start) / repeats
-if dist.get_rank() == 0:
+if rank == 0:
     print(json.dumps({"collectives_s_per_step": per_step}))
 """
 
@@ -59,16 +68,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def collective_time(batch: int, hidden: int, vocab: int, reduces: int, repeats: int = 20) -> float:
-    """Seconds of one step's collectives at these shapes between two gloo processes."""
+def collective_time(kind: str, batch: int, hidden: int, vocab: int, reduces: int, repeats: int = 20) -> float:
+    """Seconds of one step's collectives at these shapes between two one-thread processes,
+    through ``kind``: "shm" (the cpu device's shared memory, what its ranks use) or "gloo"."""
     ports = [_free_port() for _ in range(3)]
     common = {"PADDLE_MASTER": f"127.0.0.1:{ports[2]}", "PADDLE_TRAINERS_NUM": "2", "PADDLE_DISTRI_BACKEND": "gloo",
               "PADDLE_TRAINER_ENDPOINTS": f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", "OMP_NUM_THREADS": "1",
               "GLOG_minloglevel": "2"}
+    session = os.urandom(6).hex()
     procs = []
     for rank in range(2):
         env = dict(os.environ, **common, PADDLE_TRAINER_ID=str(rank), PADDLE_CURRENT_ENDPOINT=f"127.0.0.1:{ports[rank]}")
-        args = [sys.executable, "-c", _COLLECTIVE_PROBE, str(batch), str(hidden), str(vocab), str(reduces), str(repeats)]
+        args = [sys.executable, "-c", _COLLECTIVE_PROBE, kind, str(rank), str(batch), str(hidden), str(vocab),
+                str(reduces), str(repeats), session]
         procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
     out = [p.communicate(timeout=300)[0] for p in procs]
     line = [ln for ln in out[0].splitlines() if ln.startswith("{")][-1]
@@ -133,7 +145,9 @@ def main() -> None:
     layers = int(cfg["num_hidden_layers"])
     results = []
     for batch in batches:
-        collectives = collective_time(batch, int(cfg["hidden_size"]), int(cfg["vocab_size"]), 2 * layers + 1)
+        shapes = (batch, int(cfg["hidden_size"]), int(cfg["vocab_size"]), 2 * layers + 1)
+        collectives = collective_time("shm", *shapes)
+        gloo = collective_time("gloo", *shapes)
         tp2 = best[("tp2 x 1 thread", batch)]
         tp1 = best[("tp1 x 2 threads", batch)]
         results.append({
@@ -142,8 +156,9 @@ def main() -> None:
             "tp2_1thread_tok_s": round(tp2["tok_s"], 1),
             "tp2_over_tp1": round(tp2["tok_s"] / tp1["tok_s"], 3),
             "tp2_step_ms": round(tp2["step_ms"], 2),
-            "collectives_ms_per_step": round(1000 * collectives, 2),
+            "shm_collectives_ms_per_step": round(1000 * collectives, 2),
             "collective_share_of_tp2_step": round(1000 * collectives / tp2["step_ms"], 3),
+            "gloo_collectives_ms_per_step": round(1000 * gloo, 2),
         })
         print(results[-1], flush=True)
     record = {**run_stamp(), "load_average": os.getloadavg(), "model": "SmolLM2-135M-Instruct Q4_1 (wint4)",

@@ -114,12 +114,17 @@ class Device:
 
     @classmethod
     def tp_collectives(cls, rank: int, world_size: int, session: str):
-        """The collectives tensor-parallel ranks on this device use, built on every rank once
-        ``paddle.distributed`` is initialised (``session``: a token unique to this launch):
-        ``paddle.distributed``'s on :attr:`dist_backend` here; the cpu device offers shared
-        memory between ranks on one host (:mod:`fastdeploy_core.devices.collectives`)."""
+        """The collectives tensor-parallel ranks on this device use, built on every rank (it
+        meets the other ranks; ``session`` is a token unique to this launch). Here:
+        ``paddle.distributed`` initialised on :attr:`dist_backend` from the rendezvous variables
+        the launcher set (Paddle's rendezvous store listens on every interface while the ranks
+        live); the cpu device's ranks meet in shared memory instead, with no socket
+        (:mod:`fastdeploy_core.devices.collectives` has the contract)."""
+        import paddle.distributed
+
         from fastdeploy_core.devices.collectives import PaddleCollectives
 
+        paddle.distributed.init_parallel_env()
         return PaddleCollectives()
 
     @classmethod

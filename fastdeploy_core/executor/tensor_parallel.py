@@ -5,11 +5,11 @@ scheduler and talks to a :class:`TensorParallelRunner`, which starts N processes
 (:mod:`fastdeploy_core.executor.tp_worker`), each a :class:`ModelRunner` on its rank's share of
 the model (:mod:`fastdeploy_core.layers.parallel`: heads, MLP features and vocabulary split,
 weights sliced as they load, each rank its own KV cache of its heads). The ranks meet through
-``paddle.distributed`` on the backend the device names (``Device.dist_backend``: gloo here) at
-a rendezvous on free loopback ports, then use the device's collectives
-(``Device.tp_collectives``: on the cpu, shared memory between ranks on one host; gloo for
-tensors larger than its slots); the device's ``rank_environment`` gives each rank its settings
-(the cpu device: its share of the cores).
+the device's collectives (``Device.tp_collectives``): by default ``paddle.distributed`` on the
+backend the device names (``Device.dist_backend``) at a rendezvous on free loopback ports whose
+variables this launcher sets; the cpu device's ranks meet in shared memory, with no socket.
+The device's ``rank_environment`` gives each rank its settings (the cpu device: its share of
+the cores).
 
 Every step goes to every rank; each runs the same forward (the all-reduces and the logits'
 all-gather meet inside it), and each samples from the gathered logits with the same seeds;
@@ -24,7 +24,9 @@ A rank that dies (or fails) ends the engine: :class:`~fastdeploy_core.errors.Eng
 names the rank and quotes the end of its log; the other ranks are stopped. The serving
 process turns that into 503s and exits, as for any engine death.
 
-Not executed here: backends other than gloo (nccl, bkcl, xccl), and ranks on separate chips.
+Not executed here: ``paddle.distributed`` ranks on a chip's backend (nccl, bkcl, xccl), ranks on
+separate chips. (The default collectives ran on the cpu with gloo before the cpu device had its
+own; the shared-memory ones are what the cpu device's ranks use.)
 """
 
 from __future__ import annotations
@@ -155,8 +157,8 @@ class TensorParallelRunner:
         ops_cls = device_cls.make_ops(args.parallel.attention_backend)
         self.ops = SimpleNamespace(ragged_attention=bool(getattr(ops_cls, "ragged_attention", False)))
         self.model = None  # the weights live in the rank processes
-        logger.info("tensor parallelism: %d ranks on %s, %d KV blocks each", self.size, device_cls.dist_backend,
-                    self.num_blocks)
+        logger.info("tensor parallelism: %d ranks (%s collectives), %d KV blocks each", self.size,
+                    self.info.get("collectives", "?"), self.num_blocks)
 
     # ---- the runner interface --------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

@@ -34,8 +34,6 @@ def serve(conn: Connection) -> int:
         return 2
     _, flat, rank, size, session = message
     try:
-        import paddle.distributed as dist
-
         from fastdeploy_core.config import EngineArgs
         from fastdeploy_core.executor.model_runner import ModelRunner
         from fastdeploy_core.layers.parallel import set_tensor_parallel
@@ -44,11 +42,10 @@ def serve(conn: Connection) -> int:
         args = EngineArgs.create(**flat)
         pm = load_plugins()
         device_cls = pm.select_device(args.parallel.device)
-        dist.init_parallel_env()
-        collectives = device_cls.tp_collectives(rank, size, session)
+        collectives = device_cls.tp_collectives(rank, size, session)  # meets the other ranks
         set_tensor_parallel(rank, size, collectives)
         runner = ModelRunner(args, pm)
-        conn.send(("ready", runner.num_blocks, runner.describe()))
+        conn.send(("ready", runner.num_blocks, dict(runner.describe(), collectives=collectives.name)))
     except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises it
         traceback.print_exc()
         conn.send(_error(exc))

@@ -1,12 +1,11 @@
-"""The cpu device's shared-memory collectives between two real rank processes (gloo for the
-rendezvous): sums and gathers equal on both ranks, tensors larger than a slot take gloo and
-agree, many calls in a row stay in step, and no segment is left in /dev/shm."""
+"""The cpu device's shared-memory collectives between two real rank processes: sums and gathers
+equal on both ranks, tensors larger than a slot go through in pieces, many calls in a row stay
+in step, no rank opens a socket, and no segment is left in /dev/shm."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,46 +14,43 @@ import pytest
 pytestmark = pytest.mark.slow
 
 RANK_SCRIPT = r"""
-import json, sys
+import json, os, sys
 import numpy as np
-import paddle, paddle.distributed as dist
+import paddle
 paddle.set_device("cpu")
-dist.init_parallel_env()
 from fastdeploy_core.builtin.cpu.shm_collectives import SharedMemoryCollectives
-rank = dist.get_rank()
+rank = int(sys.argv[2])
 c = SharedMemoryCollectives(rank, 2, sys.argv[1], slot_bytes=4096)  # 1024 floats per slot
 out = {}
 x = paddle.to_tensor(np.arange(12, dtype=np.float32).reshape(3, 4) * (rank + 1))
 out["sum"] = c.all_reduce(x).numpy().tolist()
-big = paddle.full([2000], float(rank + 1))  # 8000 bytes: more than a slot, through gloo
-out["big_sum"] = sorted(set(c.all_reduce(big).numpy().tolist()))
-width = 3 if rank == 0 else 2  # uneven shares, as a vocabulary that does not divide
+big = paddle.arange(2500, dtype="float32") * (rank + 1)  # 10000 bytes: three pieces
+out["big_sum"] = c.all_reduce(big).numpy().tolist()
+tall = paddle.full([700, width := 3 if rank == 0 else 2], float(rank))  # 700 rows of up to 3: 3 pieces
+out["tall_gather"] = c.all_gather_columns(tall, [3, 2]).numpy().sum(axis=0).tolist()
+# uneven shares, as a vocabulary that does not divide
 part = paddle.full([2, width], float(rank + 10))
 out["gather"] = c.all_gather_columns(part, [3, 2]).numpy().tolist()
 acc = 0.0
 for step in range(500):  # both phases reused many times
     acc += float(c.all_reduce(paddle.full([1], float(step * (rank + 1)))).numpy()[0])
 out["many"] = acc
+sockets = 0
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        sockets += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    except OSError:  # the directory listing's own descriptor, closed by now
+        pass
+out["sockets"] = sockets
 print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_ranks_sum_gather_fall_back_and_leave_no_segment():
+def test_two_ranks_sum_gather_in_pieces_with_no_socket_and_leave_no_segment():
     session = os.urandom(6).hex()
-    ports = [_free_port() for _ in range(3)]
-    common = {"PADDLE_MASTER": f"127.0.0.1:{ports[2]}", "PADDLE_TRAINERS_NUM": "2", "PADDLE_DISTRI_BACKEND": "gloo",
-              "PADDLE_TRAINER_ENDPOINTS": f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", "OMP_NUM_THREADS": "1"}
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, **common, PADDLE_TRAINER_ID=str(rank), PADDLE_CURRENT_ENDPOINT=f"127.0.0.1:{ports[rank]}")
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, session], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, session, str(rank)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=180)
@@ -64,7 +60,9 @@ def test_two_ranks_sum_gather_fall_back_and_leave_no_segment():
     expected_many = float(sum(3 * step for step in range(500)))
     for got in results:
         assert got["sum"] == expected_sum
-        assert got["big_sum"] == [3.0]
+        assert got["big_sum"] == [3.0 * v for v in range(2500)]
+        assert got["tall_gather"] == [0.0, 0.0, 0.0, 700.0, 700.0]
+        assert got["sockets"] == 0
         assert got["gather"] == [[10.0, 10.0, 10.0, 11.0, 11.0]] * 2
         assert got["many"] == expected_many
     assert not [name for name in os.listdir("/dev/shm") if session in name]

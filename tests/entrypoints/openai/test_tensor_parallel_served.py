@@ -1,5 +1,6 @@
-"""``fastdeploy serve -tp 2``: two rank processes under the engine core answer as one; a killed rank
-ends the engine (error event in flight, 503 after) and leaves no process behind."""
+"""``fastdeploy serve -tp 2``: two rank processes under the engine core answer as one rank does,
+holding no socket but their anonymous pair to the core; a killed rank ends the engine (error
+event in flight, 503 after) and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _sockets(pid: int) -> int:
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return count
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -36,7 +47,7 @@ def test_tp2_server_answers_and_a_killed_rank_gives_errors_then_503(tmp_path):
     srv = start_server(str(tmp_path), "--tensor-parallel-size", "2")
     try:
         info = httpx.get(f"{srv.url}/config-info", headers=srv.headers()).json()
-        assert info["engine"]["tensor_parallel_size"] == 2 and info["engine"]["dist_backend"] == "gloo"
+        assert info["engine"]["tensor_parallel_size"] == 2 and info["engine"]["collectives"] == "shared memory"
         body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16,
                 "temperature": 0}
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, headers=srv.headers(), timeout=120)
@@ -45,6 +56,8 @@ def test_tp2_server_answers_and_a_killed_rank_gives_errors_then_503(tmp_path):
 
         ranks = _children(info["engine_core_pid"])
         assert len(ranks) == 2, ranks
+        for pid in ranks:  # one socket each: its end of the anonymous pair to the engine core
+            assert _sockets(pid) == 1, pid
         events: list[str] = []
 
         def stream():
