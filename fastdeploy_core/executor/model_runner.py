@@ -199,22 +199,13 @@ class ModelRunner:
     @property
     def kv_layout(self) -> KVCacheLayout:
         """The cache layout the model declares (key/value per KV head, or one latent row)."""
-        layout = kv_cache_layout(self.model)
-        if self.kv_quantizer is not None and layout.kind != "key_value":
-            raise ConfigError(
-                f"an int8 KV cache holds keys and values per KV head; this model caches a {layout.kind} row per "
-                "token instead, which the int8 KV cache does not store; use --kv-cache-dtype auto "
-                "(and no KV-cache part in --quantization)",
-                param="kv_cache_dtype",
-            )
-        return layout
+        return kv_cache_layout(self.model)
 
     @property
     def bytes_per_block(self) -> int:
         layout = self.kv_layout
         if self.kv_quantizer is not None:
-            (kv_heads, head_dim), _ = layout.token_shapes
-            return 2 * layout.num_layers * self.block_size * self.kv_quantizer.bytes_per_token(kv_heads, head_dim)
+            return layout.num_layers * self.block_size * self.kv_quantizer.layout_bytes_per_token(layout)
         return layout.num_layers * self.block_size * layout.bytes_per_token(_DTYPE_BYTES)
 
     def activation_bytes(self) -> int:
@@ -295,11 +286,7 @@ class ModelRunner:
         """Per layer, the cache tensors of the model's declared layout (``(k, v)`` or ``(latent,)``)."""
         layout = self.kv_layout
         if self.kv_quantizer is not None:
-            (kv_heads, head_dim), _ = layout.token_shapes
-            return [
-                self.kv_quantizer.allocate(num_blocks, self.block_size, kv_heads, head_dim, zeros=self.device_cls.zeros)
-                for _ in range(layout.num_layers)
-            ]
+            return self.kv_quantizer.allocate_layout(layout, num_blocks, self.block_size, zeros=self.device_cls.zeros)
         return layout.allocate(num_blocks, self.block_size, self.device_cls.zeros)
 
     # ---- one step --------------------------------------------------------------------------
@@ -479,7 +466,8 @@ class ModelRunner:
                 "num_layers": layout.num_layers,
                 "kind": layout.kind,
                 "token_shapes": [list(shape) for shape in layout.token_shapes],
-                "bytes_per_token_per_layer": layout.bytes_per_token(_DTYPE_BYTES),
+                "bytes_per_token_per_layer": self.bytes_per_block // (layout.num_layers * self.block_size),
+                "dtype": self.kv_quantizer.name if self.kv_quantizer is not None else "float32",
             },
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "vocab_size": self.vocab_size,

@@ -27,11 +27,14 @@ class KVCacheLayout:
             ``[num_blocks, block_size, *shape]``.
         kind: ``"key_value"`` (K and V per KV head, read by ``paged_attention``) or ``"latent"``
             (one latent + rotary key row, read by ``mla_paged_attention``).
+        parts: the lengths of the differently scaled parts of a token's vector (the latent and
+            the rotary key; an int8 cache gives each part its own scale); ``()``: one part.
     """
 
     num_layers: int
     token_shapes: tuple[tuple[int, ...], ...]
     kind: str = "key_value"
+    parts: tuple[int, ...] = ()
 
     @classmethod
     def key_value(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVCacheLayout:
@@ -42,7 +45,8 @@ class KVCacheLayout:
     @classmethod
     def latent(cls, num_layers: int, kv_lora_rank: int, rope_head_dim: int) -> KVCacheLayout:
         """One row of ``kv_lora_rank + rope_head_dim`` per token (one "head"): the latent then the rotary key."""
-        return cls(int(num_layers), ((1, int(kv_lora_rank) + int(rope_head_dim)),), "latent")
+        return cls(int(num_layers), ((1, int(kv_lora_rank) + int(rope_head_dim)),), "latent",
+                   (int(kv_lora_rank), int(rope_head_dim)))
 
     def elements_per_token(self) -> int:
         """Cache elements one token takes in one layer (all of the layer's tensors)."""

@@ -19,6 +19,7 @@ from fastdeploy_core.executor.forward_meta import ForwardMeta
 from fastdeploy_core.layers.linear import Linear, QKVLinear
 from fastdeploy_core.loader.gguf_blocks import GGUFBlocks
 from fastdeploy_core.quantization.gguf import q4_to_int4, q8_0_to_int8
+from fastdeploy_core.layers.kv_layout import KVCacheLayout
 from fastdeploy_core.quantization.kv_cache import (
     Int8KVCacheOps,
     Int8KVCacheQuantizer,
@@ -165,7 +166,8 @@ def test_int8_kv_cache_attention_is_close_to_float_attention():
     want = ref.paged_attention(q, k_f, v_f, meta, 0.25).numpy()
 
     kv = Int8KVCacheQuantizer()
-    k_q, v_q = kv.allocate(*shape)
+    blocks, block, kvh, d = shape
+    (k_q, v_q), = kv.allocate_layout(KVCacheLayout.key_value(1, kvh, d), blocks, block)
     assert isinstance(k_q, QuantizedKVCache) and k_q.data.dtype == paddle.int8
     all_slots = paddle.arange(8 * 4)
     k_q.index_put_((all_slots // 4, all_slots % 4), paddle.to_tensor(history.reshape(32, 2, 16)))
