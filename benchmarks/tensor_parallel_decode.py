@@ -4,8 +4,10 @@ Usage: python benchmarks/tensor_parallel_decode.py [--prompt 64] [--tokens 32] [
                                                    [--json benchmarks/results/tensor_parallel_decode.json]
 
 In-process engines (``EngineCore``) on SmolLM2-135M-Instruct (the embedded GGUF, Q4_1 blocks
-in wint4 storage): "tp1 x 2 threads" (today's default on two cores) and "tp2 x 1 thread" (two
-rank processes, ``FD_CPU_THREADS_PER_RANK=1``, gloo over loopback). Each round runs every
+in wint4 storage): "tp1 x 2 threads" (today's default on two cores, captured decode steps),
+"tp1 x 2 threads eager" (``enforce_eager``: tensor-parallel steps run eagerly, so this is the
+like-for-like peer) and "tp2 x 1 thread" (two rank processes, ``FD_CPU_THREADS_PER_RANK=1``,
+meeting in shared memory). Each round runs every
 (batch, variant) with the same prompts of ``--prompt`` random tokens and ``--tokens`` greedy
 tokens; only steps in which every request decodes are timed; the best round is kept.
 
@@ -128,6 +130,8 @@ def main() -> None:
     os.environ["FD_CPU_THREADS_PER_RANK"] = "1"
     variants = {
         "tp1 x 2 threads": EngineCore(EngineArgs.create(**settings)),
+        # tensor-parallel steps run eagerly (no captured decode steps): the like-for-like peer
+        "tp1 x 2 threads eager": EngineCore(EngineArgs.create(enforce_eager=True, **settings)),
         "tp2 x 1 thread": EngineCore(EngineArgs.create(tensor_parallel_size=2, **settings)),
     }
     cfg = variants["tp1 x 2 threads"].model_source.hf_config
@@ -150,11 +154,14 @@ def main() -> None:
         gloo = collective_time("gloo", *shapes)
         tp2 = best[("tp2 x 1 thread", batch)]
         tp1 = best[("tp1 x 2 threads", batch)]
+        eager = best[("tp1 x 2 threads eager", batch)]
         results.append({
             "batch": batch,
             "tp1_2threads_tok_s": round(tp1["tok_s"], 1),
             "tp2_1thread_tok_s": round(tp2["tok_s"], 1),
+            "tp1_2threads_eager_tok_s": round(eager["tok_s"], 1),
             "tp2_over_tp1": round(tp2["tok_s"] / tp1["tok_s"], 3),
+            "tp2_over_tp1_eager": round(tp2["tok_s"] / eager["tok_s"], 3),
             "tp2_step_ms": round(tp2["step_ms"], 2),
             "shm_collectives_ms_per_step": round(1000 * collectives, 2),
             "collective_share_of_tp2_step": round(1000 * collectives / tp2["step_ms"], 3),

@@ -151,3 +151,17 @@ def test_default_model_tp2_matches_transformers_and_one_rank():
     # The ranks sum the row-parallel products in another order than one rank does: log-probs
     # (a logit minus the log-sum over 49152 of them) moved by at most 1.1e-4 when measured.
     assert worst < 2e-4, worst
+
+
+def test_speculative_ngram_under_tp2_gives_transformers_tokens(tmp_path):
+    model = _save_tiny(str(tmp_path), TINY["kv_heads_split"])
+    prompts = [p * 3 for p in PROMPTS[:3]]  # repeats give the n-gram proposer something to find
+    refs = [_hf_greedy(model, p, 12) for p in prompts]
+    core = tp_core(str(tmp_path), speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        outs = run(core, [(f"r{i}", p, greedy()) for i, p in enumerate(prompts)])
+        for i in range(len(prompts)):
+            assert tokens(outs, f"r{i}") == refs[i], f"prompt {i}"
+        assert core.speculative_stats()["spec_decode_num_draft_tokens_total"] > 0
+    finally:
+        close(core)
