@@ -282,10 +282,13 @@ class SplitwiseConfig(_Section):
     """The router an instance registers with, and its prefill/decode role (docs/disaggregation.md).
 
     ``router`` is the ``host:port`` of a ``fastdeploy router`` to register with;
-    ``router_secret`` signs the registration. ``mixed`` (computing prompts and their output) is
-    the one role that runs: the prefill and decode roles, with the KV-cache channel their
-    ``pd_comm_port`` and ``cache_transfer_protocol`` would configure, are refused until the
-    transfer is implemented, rather than accepted and ignored.
+    ``router_secret`` signs the registration and keys the prefill/decode channel. ``mixed``
+    computes prompts and their output; a ``prefill`` instance computes prompts for decode
+    instances and writes their KV blocks into them through the channel it binds on
+    ``pd_comm_port``; a ``decode`` instance takes the requests the router pairs with a prefill
+    instance and continues them. ``cache_transfer_protocol`` lists the KV transports this
+    instance offers (prefill) or prefers (decode), first preferred; the device must offer each
+    (``Device.kv_transports``; checked when the engine starts).
     """
 
     splitwise_role: Literal["mixed", "prefill", "decode"] = "mixed"
@@ -296,30 +299,37 @@ class SplitwiseConfig(_Section):
     pd_comm_port: int | None = Field(None, ge=1, le=65535, description="port a prefill instance serves KV on")
     cache_transfer_protocol: str = Field("tcp", description="comma-separated KV transports, preferred first")
 
-    @field_validator("splitwise_role")
-    @classmethod
-    def _role(cls, value: str) -> str:
-        if value != "mixed":
-            raise ValueError(f"{value}: {_PD_NOT_YET} (drop --splitwise-role)")
-        return value
-
-    @field_validator("pd_comm_port")
-    @classmethod
-    def _pd_port(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError(f"only prefill instances bind it, and {_PD_NOT_YET} (drop --pd-comm-port)")
-        return value
-
     @field_validator("cache_transfer_protocol")
     @classmethod
     def _protocol(cls, value: str) -> str:
-        if value != "tcp":
-            raise ValueError(f"{value!r}: {_PD_NOT_YET} (drop --cache-transfer-protocol)")
-        return value
+        names = [p.strip() for p in value.split(",")]
+        if not value.strip() or any(not re.fullmatch(r"[a-z0-9_]+", p) for p in names) or len(set(names)) != len(names):
+            raise ValueError(f"{value!r}: give distinct transport names separated by commas, e.g. tcp or shm,tcp")
+        return ",".join(names)
 
+    @property
+    def protocols(self) -> list[str]:
+        return self.cache_transfer_protocol.split(",")
 
-_PD_NOT_YET = ("prefill/decode disaggregation (moving a prompt's KV cache between instances) is not implemented "
-               "yet; serve mixed instances behind `fastdeploy router`")
+    @property
+    def disaggregated(self) -> bool:
+        return self.splitwise_role != "mixed"
+
+    @model_validator(mode="after")
+    def _role(self) -> SplitwiseConfig:
+        role = self.splitwise_role
+        if role == "prefill" and self.pd_comm_port is None:
+            raise ValueError("splitwise_role prefill needs --pd-comm-port (the port decode instances reach its KV "
+                             "channel on)")
+        if role != "prefill" and self.pd_comm_port is not None:
+            raise ValueError(f"pd_comm_port: only prefill instances bind it, this one is {role} (drop --pd-comm-port)")
+        if role == "mixed" and "cache_transfer_protocol" in self.model_fields_set and self.protocols != ["tcp"]:
+            raise ValueError("cache_transfer_protocol: a mixed instance moves no KV cache; give it with "
+                             "--splitwise-role prefill or decode, or drop it")
+        if role != "mixed" and self.router is None:
+            raise ValueError(f"splitwise_role {role} needs --router HOST:PORT: prefill and decode instances are "
+                             "paired per request by `fastdeploy router --splitwise`")
+        return self
 
 
 class StructuredOutputConfig(_Section):
@@ -388,6 +398,12 @@ class EngineArgs(_Section):
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) is below max_model_len "
                 f"({model.max_model_len}) with chunked prefill off: a long prompt could never be "
                 "scheduled; raise max_num_batched_tokens or enable chunked prefill"
+            )
+        if self.splitwise.disaggregated and sched.scheduler_name != "local":
+            raise ValueError(
+                f"scheduler_name {sched.scheduler_name!r} with splitwise_role {self.splitwise.splitwise_role}: a "
+                "prefill/decode instance takes its requests from the router's pairing, not a shared queue; use "
+                "--scheduler-name local"
             )
         return self
 

@@ -88,3 +88,18 @@ class EngineDeadError(FastDeployError):
 
 class QuantizationError(ConfigError):
     """A quantization method is unknown, malformed, or not supported on the chosen device."""
+
+
+class KVTransferError(FastDeployError):
+    """A prefill/decode pair could not move a request's KV cache (peer gone, no room, mismatch)."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+    code = "kv_transfer_failed"
+
+
+class PairingRefusedError(FastDeployError):
+    """A decode instance got a router pairing header whose signature does not verify."""
+
+    http_status = 403
+    error_type = "authentication_error"

@@ -125,11 +125,11 @@ def serve(
     scheduler_writer_parallel: int | None = typer.Option(None, "--scheduler-writer-parallel", help="global: Redis connections for writing (default: 4)."),
     scheduler_reader_batch_size: int | None = typer.Option(None, "--scheduler-reader-batch-size", help="global: result batches read per round trip (default: 200)."),
     scheduler_writer_batch_size: int | None = typer.Option(None, "--scheduler-writer-batch-size", help="global: outputs per result batch written (default: 200)."),
-    splitwise_role: str | None = typer.Option(None, "--splitwise-role", help="mixed (prompts and output, the default and the only role that runs yet); prefill and decode are refused until the KV-cache transfer is implemented (docs/disaggregation.md)."),
+    splitwise_role: str | None = typer.Option(None, "--splitwise-role", help="mixed (prompts and output, the default) | prefill (computes prompts for decode instances, needs --pd-comm-port) | decode (continues requests whose prompt a prefill instance computed); prefill and decode need --router of a `fastdeploy router --splitwise` (docs/disaggregation.md)."),
     router: str | None = typer.Option(None, "--router", help="HOST:PORT of a `fastdeploy router` to register with (and heartbeat every 2 s)."),
     router_secret: str | None = typer.Option(None, "--router-secret", help="Secret shared with the router: signs this instance's registrations (or env FD_ROUTER_SECRET; else derived from the first --api-key). See docs/security.md."),
-    pd_comm_port: int | None = typer.Option(None, "--pd-comm-port", help="prefill instances' KV-cache port; refused until prefill/decode disaggregation is implemented."),
-    cache_transfer_protocol: str | None = typer.Option(None, "--cache-transfer-protocol", help="KV-cache transports of prefill/decode instances; only the default (tcp) is accepted until the transfer is implemented."),
+    pd_comm_port: int | None = typer.Option(None, "--pd-comm-port", help="prefill instances: the port of the KV channel decode instances connect to (bound on --host; HMAC-sealed with the router secret)."),
+    cache_transfer_protocol: str | None = typer.Option(None, "--cache-transfer-protocol", help="prefill/decode instances: KV transports, comma-separated, preferred first: tcp (any host) | shm (same host, shared memory) on the cpu device (default: tcp)."),
     guided_decoding_backend: str | None = typer.Option(None, "--guided-decoding-backend", help="Structured output (response_format json_object/json_schema, guided_json/regex/choice/grammar): auto (default: guidance) | guidance (llguidance) | xgrammar (when a plugin provides it) | off."),
     tool_call_parser: str | None = typer.Option(None, "--tool-call-parser", help="How tool calls are found in replies to tool_choice auto: hermes (<tool_call>{...}</tool_call>, SmolLM2/Qwen) | llama3_json | one a plugin registers. Without it, tool_choice auto answers in text."),
     tool_parser_plugin: str | None = typer.Option(None, "--tool-parser-plugin", help="Python file defining register_tool_parsers(register) that registers more tool-call parsers (ToolParser subclasses) for --tool-call-parser (docs/writing-a-plugin.md, section 4)."),
@@ -206,14 +206,23 @@ def splitwise_setup(engine_args, server):
         return engine_args, None
     given = split.router_secret.get_secret_value() if split.router_secret else None
     secret = require_secret(given, server.api_key, "--router")
+    if split.disaggregated:
+        # The engine core keys the KV channel from it, and the API process checks pairings with it.
+        engine_args = engine_args.model_copy(deep=True)
+        engine_args.splitwise.router_secret = secret
+        split = engine_args.splitwise
     try:
         router_host, _ = parse_address(split.router)
     except ValueError as exc:
         raise ConfigError(str(exc), param="router") from None
     host = advertised_host(server.host, router_host)
+    endpoint = None
+    if split.splitwise_role == "prefill":
+        endpoint = f"[{host}]:{split.pd_comm_port}" if ":" in host else f"{host}:{split.pd_comm_port}"
     info = InstanceInfo(
         role=split.splitwise_role, host=host, port=server.port, metrics_port=server.metrics_port,
-        protocols=[], tp_size=engine_args.parallel.tensor_parallel_size, version=__version__,
+        transfer_endpoint=endpoint, protocols=split.protocols if split.disaggregated else [],
+        tp_size=engine_args.parallel.tensor_parallel_size, version=__version__,
         model=engine_args.model.served_model_name or engine_args.model.model,
     )
     local = "127.0.0.1" if server.host in ("0.0.0.0", "") else ("::1" if server.host == "::" else server.host)

@@ -97,6 +97,9 @@ class Device:
     package: ClassVar[str] = ""
     #: The ops table class. ``None`` means the plain-Paddle reference ops.
     ops_class: ClassVar[type | None] = None
+    #: KV transports between prefill and decode instances, by ``--cache-transfer-protocol`` name:
+    #: :class:`~fastdeploy_core.devices.kv_transport.KVTransport` subclasses (docs/disaggregation.md).
+    kv_transports: ClassVar[dict[str, type]] = {}
 
     # ---- questions that need the machine -------------------------------------------------
     @classmethod
@@ -211,6 +214,19 @@ class Device:
         return ops_cls(attention_backend=backend)
 
     @classmethod
+    def make_kv_transport(cls, name: str):
+        """The transport ``name`` of :attr:`kv_transports`; a ConfigError naming those offered."""
+        from fastdeploy_core.errors import ConfigError
+
+        if name not in cls.kv_transports:
+            offered = ", ".join(cls.kv_transports) or "none"
+            raise ConfigError(
+                f"cache_transfer_protocol: {name!r} is not a KV transport of device {cls.name!r} (it offers: {offered})",
+                param="cache_transfer_protocol",
+            )
+        return cls.kv_transports[name]()
+
+    @classmethod
     def select_attention_backend(cls, requested: str | None) -> str:
         """Pick ``requested``, else env ``FD_ATTENTION_BACKEND``, else the default (the first).
 
@@ -263,5 +279,6 @@ class Device:
             "quantization_methods": list(cls.quantization_methods),
             "attention_backends": list(cls.attention_backends),
             "package": cls.package,
+            "kv_transports": list(cls.kv_transports),
             "ops_class": f"{ops_cls.__module__}.{ops_cls.__qualname__}" if ops_cls else "reference",
         }

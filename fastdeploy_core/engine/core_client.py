@@ -56,8 +56,10 @@ class EngineCoreClient:
     #: is buffered. Real outputs stay far below it (prompt logprobs of a very long prompt: ~100 MB).
     MAX_FRAME_BYTES = 1 << 30
 
-    def __init__(self, engine_args: dict[str, Any], port: int | None = None, log_level: int = logging.INFO):
+    def __init__(self, engine_args: dict[str, Any], port: int | None = None, log_level: int = logging.INFO,
+                 bind_host: str = "127.0.0.1"):
         self.engine_args = engine_args
+        self.bind_host = bind_host  # where a prefill instance's core binds its KV channel (--host)
         self.requested_port = port
         self.log_level = log_level
         self.port: int | None = None
@@ -115,7 +117,7 @@ class EngineCoreClient:
         self.process = ctx.Process(
             target=run_engine_core,
             # The secret travels in the spawn pipe, never on a command line, in the environment or a log.
-            args=(self.engine_args, address, self._secret, os.getpid(), self.log_level),
+            args=(self.engine_args, address, self._secret, os.getpid(), self.log_level, self.bind_host),
             name="fastdeploy-engine-core",
             daemon=True,
         )
@@ -314,8 +316,10 @@ class AsyncEngineClient:
         sampling_params: Any,
         arrival_time: float | None = None,
         priority: int = 0,
+        disaggregate: dict[str, Any] | None = None,
     ) -> AsyncIterator[Any]:
-        """Stream the request's outputs; aborting (closing the iterator) frees it in the core."""
+        """Stream the request's outputs; aborting (closing the iterator) frees it in the core.
+        ``disaggregate``: the router's checked pairing (a decode instance's requests)."""
         from fastdeploy_core.engine.outputs import EngineCoreRequest
 
         self.check_available()
@@ -338,6 +342,7 @@ class AsyncEngineClient:
                         sampling_params=sampling_params,
                         arrival_time=arrival_time,
                         priority=priority,
+                        disaggregate=disaggregate,
                     ),
                 )
             )

@@ -41,13 +41,15 @@ IDLE_POLL_MS = 100
 
 
 def run_engine_core(
-    engine_args: dict[str, Any], address: str, secret: bytes, parent_pid: int, log_level: int = logging.INFO
+    engine_args: dict[str, Any], address: str, secret: bytes, parent_pid: int, log_level: int = logging.INFO,
+    bind_host: str = "127.0.0.1",
 ) -> None:
     """Process entry point: build the engine, then serve requests until told to stop.
 
     ``engine_args`` is ``EngineArgs.flat()``; ``secret`` authenticates every frame on the link
     (it is this launch's, from the API process); ``parent_pid`` lets the core exit on its own when the
     API process disappears without a goodbye (SIGKILL), so no core is ever orphaned.
+    ``bind_host`` is the server's ``--host``: a prefill instance binds its KV channel there.
     """
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(message)s", stream=sys.stderr
@@ -70,7 +72,7 @@ def run_engine_core(
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(address)
     try:
-        _serve(_CoreLink(sock, LinkEnd(secret, "core"), address), engine_args, parent_pid, stopping)
+        _serve(_CoreLink(sock, LinkEnd(secret, "core"), address), engine_args, parent_pid, stopping, bind_host)
     finally:
         sock.close()
         ctx.term()
@@ -92,11 +94,14 @@ class _CoreLink:
         return self.link.open(self.sock.recv_multipart(), peer=f"the API socket {self.address}")
 
 
-def _serve(link: _CoreLink, engine_args: dict[str, Any], parent_pid: int, stopping: dict[str, bool]) -> None:
+def _serve(link: _CoreLink, engine_args: dict[str, Any], parent_pid: int, stopping: dict[str, bool],
+           bind_host: str = "127.0.0.1") -> None:
     import zmq
 
+    pd = None
     try:
         from fastdeploy_core.config import EngineArgs
+        from fastdeploy_core.disaggregation import make_connector
         from fastdeploy_core.engine.engine_core import EngineCore
         from fastdeploy_core.scheduler import scheduler_class
 
@@ -104,6 +109,7 @@ def _serve(link: _CoreLink, engine_args: dict[str, Any], parent_pid: int, stoppi
         scheduler_cls = scheduler_class(args.scheduler.scheduler_name)
         engine = EngineCore(args)
         scheduler = scheduler_cls(args.scheduler)
+        pd = make_connector(engine, args, bind_host)
         scheduler.start()
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits with it
         logger.error("engine core failed to start: %s", getattr(exc, "message", None) or exc)
@@ -111,30 +117,38 @@ def _serve(link: _CoreLink, engine_args: dict[str, Any], parent_pid: int, stoppi
         link.send(("startup_failed", error_payload(exc)))
         return
     try:
-        _loop(link, engine, scheduler, parent_pid, stopping, zmq)
+        _loop(link, engine, scheduler, parent_pid, stopping, zmq, pd)
     finally:
         scheduler.stop()
+        if pd is not None:
+            pd.close()
 
 
-def _stats(engine: Any, scheduler: Any) -> dict[str, Any]:
-    """The engine's statistics plus the scheduler's; requests queued in the scheduler are waiting too."""
+def _stats(engine: Any, scheduler: Any, pd: Any = None) -> dict[str, Any]:
+    """The engine's statistics plus the scheduler's (and the prefill/decode connector's);
+    requests queued in the scheduler are waiting too."""
     stats = engine.get_stats()
     extra = scheduler.stats()
     stats.update(extra)
+    if pd is not None:
+        stats.update(pd.stats())
     stats["num_requests_waiting"] += int(extra.get("scheduler_queue_depth", 0))
     return stats
 
 
-def _loop(link: _CoreLink, engine: Any, scheduler: Any, parent_pid: int, stopping: dict[str, bool], zmq: Any) -> None:
+def _loop(link: _CoreLink, engine: Any, scheduler: Any, parent_pid: int, stopping: dict[str, bool], zmq: Any,
+          pd: Any = None) -> None:
     from fastdeploy_core.engine.engine_core import validate_prompt
     from fastdeploy_core.engine.link import _output_from_wire
     from fastdeploy_core.engine.outputs import EngineCoreRequest
     from fastdeploy_core.scheduler.base import QueuedRequest
 
-    link.send(("ready", _ready_info(engine, scheduler)))
+    link.send(("ready", _ready_info(engine, scheduler, pd)))
     logger.info("engine core ready (pid %d), request scheduler %r", os.getpid(), scheduler.name)
     poller = zmq.Poller()
     poller.register(link.sock, zmq.POLLIN)
+    if pd is not None:
+        pd.attach(poller)  # its sockets wake the idle wait too
     stats_dirty = False
     last_parent_check = time.monotonic()
 
@@ -157,6 +171,8 @@ def _loop(link: _CoreLink, engine: Any, scheduler: Any, parent_pid: int, stoppin
                 except Exception as exc:  # noqa: BLE001 - a bad request must not kill the core
                     link.send(("request_error", request.request_id, error_payload(exc)))
             elif kind == "abort":
+                if pd is not None:
+                    pd.abort(list(msg[1]))
                 engine.abort_requests(scheduler.abort(list(msg[1])))
             elif kind == "shutdown":
                 stopping["flag"] = True
@@ -172,12 +188,21 @@ def _loop(link: _CoreLink, engine: Any, scheduler: Any, parent_pid: int, stoppin
                 logger.error("API process %d is gone; engine core exits", parent_pid)
                 return
 
+        if pd is not None:
+            pd.service()
+            pd_outputs, pd_errors = pd.take()
+            if pd_outputs:
+                link.send(("outputs", scheduler.put_outputs(pd_outputs), _stats(engine, scheduler, pd)))
+            for request_id, error in pd_errors:
+                link.send(("request_error", request_id, error))
+            stats_dirty = stats_dirty or bool(pd_outputs or pd_errors)
+
         events = scheduler.poll()
         if events:
             if events.aborts:
                 engine.abort_requests(events.aborts)
             if events.outputs:
-                link.send(("outputs", [_output_from_wire(o) for o in events.outputs], _stats(engine, scheduler)))
+                link.send(("outputs", [_output_from_wire(o) for o in events.outputs], _stats(engine, scheduler, pd)))
             for request_id, error in events.errors:
                 link.send(("request_error", request_id, error))
             if events.available is not None:
@@ -185,7 +210,11 @@ def _loop(link: _CoreLink, engine: Any, scheduler: Any, parent_pid: int, stoppin
             stats_dirty = True
         for queued in scheduler.get_requests(engine.capacity()):
             try:
-                engine.add_request(EngineCoreRequest.from_dict(queued.payload))
+                request = EngineCoreRequest.from_dict(queued.payload)
+                if pd is not None and request.disaggregate is not None:
+                    pd.start(request)  # a decode instance: the paired prefill instance computes the prompt
+                else:
+                    engine.add_request(request)
             except Exception as exc:  # noqa: BLE001 - refused here; its client hears why
                 scheduler.fail(queued, error_payload(exc))
             stats_dirty = True
@@ -197,20 +226,22 @@ def _loop(link: _CoreLink, engine: Any, scheduler: Any, parent_pid: int, stoppin
                 logger.error("engine step failed, engine core stops:\n%s", traceback.format_exc())
                 link.send(("dead", error_payload(exc)))
                 raise SystemExit(1) from None
-            link.send(("outputs", scheduler.put_outputs(outputs), _stats(engine, scheduler)))
+            if pd is not None:
+                outputs = pd.after_step(outputs)
+            link.send(("outputs", scheduler.put_outputs(outputs), _stats(engine, scheduler, pd)))
             stats_dirty = False
         elif stats_dirty:
-            link.send(("stats", _stats(engine, scheduler)))
+            link.send(("stats", _stats(engine, scheduler, pd)))
             stats_dirty = False
     logger.info("engine core shutting down")
 
 
-def _ready_info(engine: Any, scheduler: Any) -> dict[str, Any]:
+def _ready_info(engine: Any, scheduler: Any, pd: Any = None) -> dict[str, Any]:
     info: dict[str, Any] = {"max_model_len": engine.max_model_len, "pid": os.getpid(), "scheduler": scheduler.name,
                             "scheduler_instance": getattr(scheduler, "instance", None)}
     try:
         info["config_info"] = engine.config_info()
     except Exception as exc:  # noqa: BLE001 - informative only
         info["config_info"] = {"error": str(exc)}
-    info["stats"] = _stats(engine, scheduler)
+    info["stats"] = _stats(engine, scheduler, pd)
     return info

@@ -36,6 +36,7 @@ answer 400 before queuing.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -279,6 +280,13 @@ class EngineCore:
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         """Validate and queue ``req`` (all its choices); typed errors leave nothing behind."""
+        params, requests = self._sequences(req)
+        for request in requests:
+            self.scheduler.add_request(request)
+        self._register(req, params, requests)
+
+    def _sequences(self, req: EngineCoreRequest) -> tuple[SamplingParams, list[Request]]:
+        """The validated params and one engine :class:`Request` per choice of ``req``."""
         params = req.sampling_params
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
@@ -300,7 +308,7 @@ class EngineCore:
         if params.max_tokens is not None:
             max_total = min(max_total, len(prompt) + params.max_tokens)
         arrival = req.arrival_time if req.arrival_time is not None else time.time()
-        ids: list[str] = []
+        requests: list[Request] = []
         for index in range(params.n):
             choice_params = params.child(index) if params.n > 1 else params
             eos = set(choice_params.stop_token_ids or ())
@@ -310,9 +318,8 @@ class EngineCore:
                 sample_seed = int(choice_params.seed)
             else:
                 sample_seed = int(self._seed_sequence.spawn(1)[0].generate_state(1, np.uint64)[0])
-            core_id = choice_request_id(req.request_id, index, params.n)
             request = Request(
-                request_id=core_id,
+                request_id=choice_request_id(req.request_id, index, params.n),
                 prompt_token_ids=prompt,
                 sampling_params=choice_params,
                 arrival_time=arrival,
@@ -325,11 +332,56 @@ class EngineCore:
             )
             if choice_params.guided_decoding is not None:
                 request.guided = self.guided.new_request(choice_params.guided_decoding)
-            self.scheduler.add_request(request)
-            self._parent[core_id] = req.request_id
-            ids.append(core_id)
-        self._choices[req.request_id] = ids
-        self.num_prompt_tokens_total += len(prompt) * params.n
+            requests.append(request)
+        return params, requests
+
+    def _register(self, req: EngineCoreRequest, params: SamplingParams, requests: list[Request]) -> None:
+        for request in requests:
+            self._parent[request.request_id] = req.request_id
+        self._choices[req.request_id] = [r.request_id for r in requests]
+        self.num_prompt_tokens_total += len(req.prompt_token_ids) * params.n
+
+    # ---- prompts computed by another instance (prefill/decode disaggregation) ----------------
+    def reserve_remote(self, req: EngineCoreRequest) -> Request | None:
+        """A decode instance's side of a disaggregated request (one choice): its sequence, with
+        blocks held for the whole prompt (their ids: ``block_table``), or None when the free
+        blocks do not hold the prompt now. Its prompt KV is written into those blocks from
+        outside, then :meth:`admit_remote` hands it the first token."""
+        params, requests = self._sequences(req)
+        (request,) = requests
+        if not self.scheduler.reserve(request):
+            return None
+        self._register(req, params, requests)
+        return request
+
+    def add_remote_prompt(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
+                          sample_seed: int) -> None:
+        """A prefill instance's side: compute a decode instance's prompt and sample its first token
+        as the decode instance would (its ``sample_seed``; ``min_tokens`` matters only as far as
+        the first token). The request ends after that one token."""
+        params = SamplingParams.from_dict(dict(sampling_params))
+        if params.n != 1:
+            raise InvalidRequestError("a disaggregated request has one choice", param="n")
+        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1),
+                                     seed=int(sample_seed))
+        self.add_request(EngineCoreRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                                           sampling_params=params))
+
+    def admit_remote(self, request: Request, token: int, logprobs=None, num_cached_tokens: int = 0) -> EngineCoreOutput:
+        """The reserved ``request``'s prompt KV is in its blocks: it joins the batch with
+        ``token`` (sampled where the prompt was computed) as its first output."""
+        finished = self.scheduler.admit_prefilled(request, token)
+        request.num_cached_tokens = num_cached_tokens
+        self.num_generation_tokens_total += 1
+        if finished:
+            self.num_requests_finished += 1
+            self._forget(request)
+        return EngineCoreOutput(
+            request_id=request.parent_id, index=request.index, new_token_ids=[int(token)],
+            new_logprobs=[logprobs] if logprobs is not None else None, finished=request.is_finished,
+            finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+            num_cached_tokens=num_cached_tokens,
+        )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """End the given requests (or single choices) now and free their KV blocks."""
@@ -366,7 +418,7 @@ class EngineCore:
         sched, bm = self.scheduler, self.block_manager
         promised = sum(bm.blocks_needed(req.num_tokens + 1) for req in sched.waiting)
         return Capacity(
-            free_slots=max(0, sched.max_num_seqs - sched.num_running - sched.num_waiting),
+            free_slots=max(0, sched.max_num_seqs - sched.num_running - sched.num_waiting - len(sched.reserved)),
             free_blocks=max(0, bm.num_free_blocks - promised),
             block_size=bm.block_size,
             token_budget=self.runner.max_num_batched_tokens,

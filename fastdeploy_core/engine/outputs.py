@@ -30,6 +30,9 @@ class EngineCoreRequest:
     sampling_params: Any  # SamplingParams (a dataclass of builtins)
     arrival_time: float | None = None
     priority: int = 0
+    #: On a decode instance: the router's pairing (``disaggregation.pairing.parse_pairing``), whose
+    #: prefill instance computes the prompt and writes its KV blocks into this instance's.
+    disaggregate: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

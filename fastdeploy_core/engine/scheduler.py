@@ -185,6 +185,12 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by policy key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        #: Requests holding blocks for a prompt another instance computes (a decode instance's;
+        #: :meth:`reserve`), in neither queue until :meth:`admit_prefilled`.
+        self.reserved: dict[str, Request] = {}
+        #: Called with a request just before its blocks are freed when it finishes (a prefill
+        #: instance reads the finished prompt's blocks; they keep their contents until reused).
+        self.on_finish = None
         self._counter = itertools.count()
         self.num_preemptions = 0
         #: Speculative decoding: draft tokens scored, and those the target accepted.
@@ -207,7 +213,40 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=self._key)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Whether a step has work: a reserved request waits for another instance, not for a step."""
+        return len(self.requests) > len(self.reserved)
+
+    # ---- prompts computed elsewhere (prefill/decode disaggregation) -------------------------
+    def reserve(self, req: Request) -> bool:
+        """Hold blocks for ``req``'s whole prompt outside the queues; False (nothing held) when
+        the free blocks do not suffice. Its block table then names where the prompt's KV goes."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the scheduler")
+        if not self.block_manager.allocate(req, req.num_prompt_tokens):
+            return False
+        req.sequence_number = next(self._counter)
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.reserved[req.request_id] = req
+        return True
+
+    def admit_prefilled(self, req: Request, token: int) -> bool:
+        """A reserved request whose prompt KV is now in its blocks, with the first token sampled
+        elsewhere: it joins the running requests (or finishes on that token). True if it finished."""
+        self.reserved.pop(req.request_id)
+        now = time.time()
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.scheduled_time = req.scheduled_time or now
+        req.append_output_token(int(token))
+        req.first_token_time = now
+        self.block_manager.cache_full_blocks(req)
+        status = self._stop_status(req, int(token))
+        if status is not None:
+            self._finish(req, status, now)
+            return True
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return False
 
     @property
     def num_running(self) -> int:
@@ -448,6 +487,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.reserved.pop(req.request_id, None)
+        if self.on_finish is not None:
+            self.on_finish(req, status)
         self.block_manager.free(req)
         req.status = status
         req.finish_time = now or time.time()

@@ -22,8 +22,16 @@ from __future__ import annotations
 import os
 import time
 
+from fastdeploy_core.disaggregation.pairing import (  # noqa: F401 - the pairing is signed here, checked there
+    PAIRING_HEADER,
+    PAIRING_LABEL,
+    PAIRING_SIGNATURE_HEADER,
+    check_pairing,
+    pairing_headers,
+    router_key,
+)
 from fastdeploy_core.errors import ConfigError
-from fastdeploy_core.sealing import derive_key, sign, verify
+from fastdeploy_core.sealing import sign, verify
 
 ROUTER_SECRET_ENV = "FD_ROUTER_SECRET"
 
@@ -31,12 +39,9 @@ ROUTER_SECRET_ENV = "FD_ROUTER_SECRET"
 MAX_SKEW_S = 60.0
 
 REGISTER_LABEL = b"fastdeploy-router-register/1"
-PAIRING_LABEL = b"fastdeploy-router-pairing/1"
 
 SIGNATURE_HEADER = "X-FD-Signature"
 TIMESTAMP_HEADER = "X-FD-Timestamp"
-PAIRING_HEADER = "X-FD-Disaggregate"
-PAIRING_SIGNATURE_HEADER = "X-FD-Disaggregate-Signature"
 
 
 def resolve_secret(secret: str | None, api_keys: list[str] | None = None) -> str | None:
@@ -64,11 +69,6 @@ def require_secret(secret: str | None, api_keys: list[str] | None, what: str) ->
     return found
 
 
-def router_key(secret: str) -> bytes:
-    """The key of registrations and pairings."""
-    return derive_key(secret, "router")
-
-
 def signed_headers(key: bytes, label: bytes, body: bytes, now: float | None = None) -> dict[str, str]:
     """The timestamp and signature headers for ``body``."""
     stamp = f"{now if now is not None else time.time():.3f}"
@@ -89,26 +89,4 @@ def check_signature(key: bytes, label: bytes, body: bytes, stamp: str | None, si
         return "bad signature"
     if abs((now if now is not None else time.time()) - when) > MAX_SKEW_S:
         return f"timestamp more than {MAX_SKEW_S:.0f} s away from the router's clock"
-    return None
-
-
-def pairing_headers(key: bytes, pairing: str, request_body: bytes) -> dict[str, str]:
-    """Headers handing a decode instance its prefill instance, bound to this request's body."""
-    stamp = f"{time.time():.3f}"
-    tag = sign(key, PAIRING_LABEL, stamp.encode(), pairing.encode(), request_body)
-    return {PAIRING_HEADER: pairing, PAIRING_SIGNATURE_HEADER: f"{stamp}:{tag.hex()}"}
-
-
-def check_pairing(key: bytes, pairing: str, signature: str, request_body: bytes) -> str | None:
-    """None when the pairing header was signed by the router for this body; else why not."""
-    stamp, _, tag = signature.partition(":")
-    try:
-        raw = bytes.fromhex(tag)
-        when = float(stamp)
-    except ValueError:
-        return "malformed pairing signature"
-    if not verify(key, PAIRING_LABEL, raw, stamp.encode(), pairing.encode(), request_body):
-        return "bad pairing signature"
-    if abs(time.time() - when) > MAX_SKEW_S:
-        return "stale pairing signature"
     return None

@@ -17,7 +17,7 @@ logger = logging.getLogger("fastdeploy.scheduler")
 
 #: FastDeploy scheduler names that no package provides here, and what to use instead.
 UNPROVIDED_FASTDEPLOY_SCHEDULERS = {
-    "splitwise": "prefill/decode disaggregation is not implemented here",
+    "splitwise": "prefill/decode disaggregation through Redis (FastDeploy's deprecated path) is not implemented here; pair instances with `fastdeploy router --splitwise` and --splitwise-role prefill/decode",
     "dp": "data-parallel serving is not implemented here",
 }
 

@@ -103,10 +103,9 @@ FIELDS: dict[tuple[str, str], tuple] = {
                                                  "levels are not implemented here", "graph_optimization_config"),
     ("splitwise", "router"): read(SERVE, "RouterHeartbeat(split.router, info, secret, health)"),
     ("splitwise", "router_secret"): read(SERVE, "split.router_secret.get_secret_value()"),
-    ("splitwise", "splitwise_role"): refused("decode", "prefill/decode disaggregation (moving a prompt's KV cache "
-                                                       "between instances) is not implemented yet"),
-    ("splitwise", "pd_comm_port"): refused(9100, "only prefill instances bind it"),
-    ("splitwise", "cache_transfer_protocol"): refused("shm", "is not implemented yet"),
+    ("splitwise", "splitwise_role"): read("disaggregation/__init__.py", 'split.splitwise_role == "prefill"'),
+    ("splitwise", "pd_comm_port"): read("disaggregation/__init__.py", "{split.pd_comm_port}"),
+    ("splitwise", "cache_transfer_protocol"): read("disaggregation/__init__.py", "split.protocols"),
     ("server", "host"): read(SERVER, "server.host"),
     ("server", "port"): read(SERVER, "server.port"),
     ("server", "metrics_port"): read(SERVER, "server.metrics_port"),

@@ -25,6 +25,7 @@ LAYERS = [
     {"executor"},
     {"spec_decode"},
     {"scheduler"},
+    {"disaggregation"},
     {"engine"},
     {"entrypoints"},
     {"router"},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from fastdeploy_core.devices.base import Availability, Device, MemoryInfo
+from fastdeploy_core.builtin.cpu.kv_transport import ShmKVTransport, TcpKVTransport
 from fastdeploy_core.builtin.cpu.ops import CpuOps
 
 
@@ -35,6 +36,8 @@ class CpuDevice(Device):
     # Each runs through a C++ kernel reading the compact weights (reference path if it cannot build).
     quantization_methods = ("wint8", "wint4", "w8a8", "w4a8", "block_wise_fp8", "mix_quant")
     ops_class = CpuOps  # the reference ops plus the quantized linear kernels
+    # Prefill/decode KV transports: shm (same host, no socket copy of the bytes) and tcp.
+    kv_transports = {"shm": ShmKVTransport, "tcp": TcpKVTransport}
 
     @classmethod
     def detect(cls) -> Availability:

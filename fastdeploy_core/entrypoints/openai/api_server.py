@@ -90,7 +90,7 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
         from fastdeploy_core.engine.output_processor import OutputProcessor
 
         core = EngineCoreClient(engine_args.flat(), port=server.engine_worker_queue_port,
-                                log_level=logging.getLogger().getEffectiveLevel())
+                                log_level=logging.getLogger().getEffectiveLevel(), bind_host=server.host)
         engine = AsyncEngineClient(core, OutputProcessor(tokenizer))
         try:
             await engine.start()
@@ -117,6 +117,7 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
             guided_backend=guided_backend,
             tool_parser=tool_parser,
             reasoning_parser=reasoning_parser,
+            pairing_key=_pairing_key(engine_args),
         )
         holder["state"] = state
         metrics_server = None
@@ -242,6 +243,17 @@ def build_app(engine_args: EngineArgs, server: ServerConfig) -> FastAPI:
 
     app.include_router(protected)
     return app
+
+
+def _pairing_key(engine_args: EngineArgs) -> bytes | None:
+    """A decode instance's key for the router's pairing header (None on other roles: the header
+    is then not read, and a request is served here whole)."""
+    split = engine_args.splitwise
+    if split.splitwise_role != "decode" or split.router_secret is None:
+        return None
+    from fastdeploy_core.disaggregation.pairing import router_key
+
+    return router_key(split.router_secret.get_secret_value())
 
 
 def _aborted_error(request_id: str):

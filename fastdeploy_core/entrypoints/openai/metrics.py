@@ -80,6 +80,30 @@ class _EngineStateCollector:
         for name, doc in _SCHEDULER_COUNTERS.items():
             yield CounterMetricFamily(f"fastdeploy:{name}", doc, value=float(s.get(name, 0) or 0))
         yield from _speculative_metrics(s)
+        yield from _disaggregation_metrics(s)
+
+
+def _disaggregation_metrics(s: dict[str, Any]):
+    """A prefill or decode instance's transfers and the bytes each KV transport carried; nothing on
+    a mixed instance."""
+    role = s.get("pd_role")
+    if not role:
+        return
+    family = CounterMetricFamily("fastdeploy:kv_transfer_bytes", "KV-cache bytes moved between prefill and decode "
+                                 "instances, per transport and direction", labels=["protocol", "direction"])
+    batches = CounterMetricFamily("fastdeploy:kv_transfer_batches", "KV block batches moved, per transport and "
+                                  "direction", labels=["protocol", "direction"])
+    for protocol, counts in sorted((s.get("kv_transfer") or {}).items()):
+        for direction in ("sent", "received"):
+            family.add_metric([protocol, direction], float(counts.get(f"bytes_{direction}", 0)))
+            batches.add_metric([protocol, direction], float(counts.get(f"batches_{direction}", 0)))
+    yield family
+    yield batches
+    yield GaugeMetricFamily("fastdeploy:pd_transfers_in_flight", f"Requests whose KV is being moved ({role} side)",
+                            value=float(s.get("pd_transfers_in_flight", 0) or 0))
+    for name in ("completed", "failed"):
+        yield CounterMetricFamily(f"fastdeploy:pd_transfers_{name}", f"Prefill/decode transfers {name} "
+                                  f"({role} side)", value=float(s.get(f"pd_transfers_{name}", 0) or 0))
 
 
 #: Speculative decoding (FastDeploy's names), present while --speculative-config is on.

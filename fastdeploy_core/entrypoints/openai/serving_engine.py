@@ -51,7 +51,7 @@ from fastdeploy_core.entrypoints.openai.protocol import (
     UsageInfo,
     _SamplingFields,
 )
-from fastdeploy_core.errors import ContextLengthExceededError, FastDeployError, InvalidRequestError
+from fastdeploy_core.errors import ContextLengthExceededError, FastDeployError, InvalidRequestError, PairingRefusedError
 from fastdeploy_core.guided.params import GuidedDecodingParams
 
 logger = logging.getLogger("fastdeploy.serve")
@@ -230,6 +230,8 @@ class ServingState:
     tool_parser: Any = None
     #: The ``--reasoning-parser`` class, None when none was chosen.
     reasoning_parser: Any = None
+    #: A decode instance's key for the router's pairing header (None: the header is not read).
+    pairing_key: bytes | None = None
     _longest_token: int = field(default=64, init=False)
 
     def __post_init__(self) -> None:
@@ -404,11 +406,12 @@ class ServingState:
         A client disconnect aborts every job."""
         queue: asyncio.Queue = asyncio.Queue()
         end, gone = object(), object()
+        pairing = await self.pairing(raw_request)
 
         async def pump(k: int, rid: str, prompt: str | None, ids: list[int], params: SamplingParams) -> None:
             try:
                 async for out in self.engine.generate(rid, prompt, ids, params, arrival_time=arrival,
-                                                     priority=priority):
+                                                     priority=priority, disaggregate=pairing):
                     queue.put_nowait((k, out))
                 queue.put_nowait((k, end))
             except asyncio.CancelledError:
@@ -445,6 +448,32 @@ class ServingState:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(watcher, *tasks, return_exceptions=True)
+
+    async def pairing(self, raw_request: Request | None) -> dict[str, Any] | None:
+        """On a decode instance, the router's pairing of this request with a prefill instance
+        (its signature checked against this very body); None when the request carries none (it
+        is then served here whole). A pairing that does not verify is a 403."""
+        if self.pairing_key is None or raw_request is None:
+            return None
+        from fastdeploy_core.disaggregation.pairing import (
+            PAIRING_HEADER,
+            PAIRING_SIGNATURE_HEADER,
+            check_pairing,
+            parse_pairing,
+        )
+
+        header = raw_request.headers.get(PAIRING_HEADER)
+        if header is None:
+            return None
+        why = check_pairing(self.pairing_key, header, raw_request.headers.get(PAIRING_SIGNATURE_HEADER, ""),
+                            await raw_request.body())
+        if why is None:
+            try:
+                return parse_pairing(header)
+            except ValueError as exc:
+                why = str(exc)
+        raise PairingRefusedError(f"the router's pairing header was refused ({why}); requests reach a decode "
+                                  "instance through `fastdeploy router --splitwise` with the shared secret")
 
     def record(self, out: Any, arrival: float, admitted: float, success: bool) -> None:
         """Metrics of one finished request output (each choice counts as one sequence)."""

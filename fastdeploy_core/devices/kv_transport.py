@@ -1,0 +1,110 @@
+"""The KV transport contract: how a prefill instance's KV blocks reach a decode instance's cache.
+
+A device declares the transports it offers (``Device.kv_transports``, names) and builds them
+(``Device.make_kv_transport(name)``). The prefill/decode channel (``fastdeploy_core/disaggregation``)
+carries the control messages over its authenticated socket; a transport moves the bytes of one
+batch of blocks:
+
+* the sender (prefill) calls :meth:`KVTransport.send` with the blocks' bytes gathered from its
+  cache by :meth:`KVTransport.gather`; it returns a description (JSON, signed with the message
+  that carries it) and the frames (bytes) the message carries beside it, if any;
+* the receiver (decode) calls :meth:`KVTransport.receive` with both, gets a byte view, hands it to
+  :meth:`KVTransport.scatter` (which writes the blocks into its own cache) and then calls
+  :meth:`KVTransport.release`.
+
+``gather`` and ``scatter`` here work on caches a host numpy view can reach (the cpu device's;
+integrated chips sharing host memory). A chip whose cache lives in its own memory overrides
+them (and may declare transports that never touch the host, ``ipc`` / ``rdma``: none of those
+is implemented in this repository, and no chip transport can be executed on this project's
+machine).
+
+The block bytes are laid out layer by layer, then cache tensor by cache tensor, each as
+``tensor[block_ids]``; both sides check the same :func:`cache_signature` before any byte moves.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+
+def host_views(kv_caches: list[tuple]) -> list[tuple[np.ndarray, ...]]:
+    """numpy views (no copy) of a cache's tensors, for caches in host memory."""
+    return [tuple(np.from_dlpack(t) for t in layer) for layer in kv_caches]
+
+
+def cache_signature(views: list[tuple[np.ndarray, ...]]) -> list:
+    """What must agree between the two sides: per layer, each tensor's per-block shape and dtype."""
+    return [[[list(v.shape[1:]), str(v.dtype)] for v in layer] for layer in views]
+
+
+def block_nbytes(views: list[tuple[np.ndarray, ...]]) -> int:
+    """Bytes one block takes across every layer and tensor."""
+    return sum(v[0].nbytes for layer in views for v in layer)
+
+
+class KVTransport:
+    """One way of moving KV block bytes between two instances (see the module docstring)."""
+
+    #: ``--cache-transfer-protocol`` name.
+    name: ClassVar[str] = ""
+    #: Whether both instances must run on one host (then the decode side picks it only for a
+    #: prefill instance it reaches on a local address).
+    same_host_only: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.batches_sent = 0
+        self.batches_received = 0
+
+    # ---- sender ----------------------------------------------------------------------------
+    def buffer(self, nbytes: int, transfer_id: str) -> tuple[np.ndarray, dict[str, Any]]:
+        """A writable uint8 buffer of ``nbytes`` for :meth:`gather` and what :meth:`send` needs to
+        find it again."""
+        raise NotImplementedError
+
+    def send(self, buffer: np.ndarray, handle: dict[str, Any]) -> tuple[dict[str, Any], list]:
+        """The description (JSON) and the frames that carry ``buffer`` to the receiver."""
+        raise NotImplementedError
+
+    @staticmethod
+    def gather(views: list[tuple[np.ndarray, ...]], block_ids: list[int], out: np.ndarray) -> None:
+        """Copy ``block_ids`` of every layer and tensor into ``out`` (uint8, in the layout above)."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        offset = 0
+        for layer in views:
+            for v in layer:
+                n = v[0].nbytes * len(ids)
+                target = out[offset:offset + n].view(v.dtype).reshape((len(ids), *v.shape[1:]))
+                np.take(v, ids, axis=0, out=target)
+                offset += n
+
+    # ---- receiver --------------------------------------------------------------------------
+    def receive(self, description: dict[str, Any], frames: list) -> np.ndarray:
+        """A uint8 view of the bytes sent (valid until :meth:`release`)."""
+        raise NotImplementedError
+
+    def release(self, description: dict[str, Any]) -> None:
+        """The receiver is done with the bytes of ``description``."""
+
+    @staticmethod
+    def scatter(views: list[tuple[np.ndarray, ...]], block_ids: list[int], data: np.ndarray) -> None:
+        """Write ``data`` (the layout :meth:`gather` makes) into ``block_ids`` of the cache."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        offset = 0
+        for layer in views:
+            for v in layer:
+                n = v[0].nbytes * len(ids)
+                v[ids] = data[offset:offset + n].view(v.dtype).reshape((len(ids), *v.shape[1:]))
+                offset += n
+        if offset != data.nbytes:
+            raise ValueError(f"a KV batch of {data.nbytes} bytes does not hold {len(ids)} blocks ({offset} bytes)")
+
+    def close(self) -> None:
+        """Free what the transport holds (called when the engine stops)."""
+
+    def stats(self) -> dict[str, int]:
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "batches_sent": self.batches_sent, "batches_received": self.batches_received}

@@ -1,0 +1,216 @@
+"""The prefill instance's side: compute paired prompts and write their KV into the decode blocks.
+
+The prefill engine core binds a ZMQ ROUTER on ``--pd-comm-port`` (the address its ``--host``
+names). A ``prefill`` message from a decode instance becomes a one-token request in this
+engine (id ``pd-<transfer id>``, the decode side's sampling seed, prefix caching and chunked
+prefill as configured); it is acknowledged (``accepted``) at once.
+
+After every engine step the connector sends each such request's blocks that became complete
+(every layer computed: all full blocks the step reached, and at the end the prompt's last,
+partial block) as a ``kv`` batch: gathered from this cache into the transport's buffer (a
+``/dev/shm`` file for ``shm``, a frame for ``tcp``), addressed by position in the decode side's
+block list. So while a long prompt is computed chunk by chunk, the blocks of one chunk travel
+(ZMQ's I/O thread writes them) while the next chunk computes. The overlap is per chunk, not per
+layer: the model's forward runs every layer in one call, and a finished layer's rows are not
+handed out before the step ends. When the request's one token is sampled its last blocks go,
+then ``first_token`` (the token and its logprobs); the blocks were read before this engine
+could reuse them (the scheduler's ``on_finish`` hook records the finished request's block table).
+
+An ``abort`` drops the request here; so does a decode instance that can no longer be reached
+(the ROUTER refuses to route to it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastdeploy_core.devices.kv_transport import block_nbytes, cache_signature, host_views
+from fastdeploy_core.disaggregation.channel import MAX_SKEW_S, TO_DECODE, TO_PREFILL, Channel
+from fastdeploy_core.errors import KVTransferError
+from fastdeploy_core.scheduler.base import error_dict as error_payload
+
+logger = logging.getLogger("fastdeploy.pd_prefill")
+
+
+@dataclass
+class _Job:
+    tid: str
+    peer: bytes  # the decode instance's ZMQ identity
+    core_id: str  # this engine's request id
+    num_prompt_tokens: int
+    remote_blocks: list[int]
+    protocol: str
+    sent: int = 0  # blocks sent so far
+    seq: int = 0
+
+
+class PrefillConnector:
+    """A prefill instance's transfers (see the module docstring)."""
+
+    role = "prefill"
+
+    def __init__(self, engine: Any, key: bytes, protocols: list[str], bind: str, zmq: Any):
+        self.engine = engine
+        self.zmq = zmq
+        self.ctx = zmq.Context.instance()
+        self.channel = Channel(key, TO_DECODE, TO_PREFILL)
+        device = engine.runner.device_cls
+        self.transports = {name: device.make_kv_transport(name) for name in protocols}
+        self.views = host_views(engine.runner.kv_caches)
+        self.signature = cache_signature(self.views)
+        self.block_bytes = block_nbytes(self.views)
+        self.block_size = engine.block_manager.block_size
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.bind(bind)
+        self.jobs: dict[str, _Job] = {}
+        self.by_core_id: dict[str, str] = {}
+        self.seen: dict[str, float] = {}  # transfer ids taken (a replayed prefill message is refused)
+        self.finished_tables: dict[str, list[int]] = {}
+        engine.scheduler.on_finish = self._on_finish
+        self.completed = 0
+        self.failed = 0
+
+    def attach(self, poller: Any) -> None:
+        poller.register(self.sock, self.zmq.POLLIN)
+
+    def _on_finish(self, req: Any, status: Any) -> None:
+        if req.request_id in self.by_core_id:
+            self.finished_tables[req.request_id] = list(req.block_table)
+
+    # ---- messages from decode instances -------------------------------------------------------
+    def service(self) -> None:
+        while self.sock.poll(0):
+            frames = self.sock.recv_multipart(copy=False)
+            peer = bytes(frames[0].buffer)
+            opened = self.channel.open(frames[1:], peer=f"decode peer {peer.hex()}")
+            if opened is None:
+                continue
+            header, _ = opened
+            kind = header["type"]
+            if kind == "prefill":
+                self._start(peer, header)
+            elif kind == "abort":
+                job = self.jobs.get(str(header.get("tid")))
+                if job is not None and job.peer == peer:
+                    self._drop(job)
+        now = time.monotonic()
+        for tid, when in list(self.seen.items()):
+            if now - when > 2 * MAX_SKEW_S:
+                del self.seen[tid]
+
+    def _start(self, peer: bytes, header: dict[str, Any]) -> None:
+        tid = str(header.get("tid") or "")
+        if not tid or tid in self.seen or tid in self.jobs:
+            return  # a replay of a request already taken
+        self.seen[tid] = time.monotonic()
+        core_id = f"pd-{tid}"
+        protocol = str(header.get("protocol"))
+        remote = [int(b) for b in header.get("block_ids") or []]
+        prompt = [int(t) for t in header.get("prompt_token_ids") or []]
+        job = _Job(tid, peer, core_id, len(prompt), remote, protocol)
+        try:
+            if protocol not in self.transports:
+                raise KVTransferError(f"KV transport {protocol!r} is not one this prefill instance offers "
+                                      f"({', '.join(self.transports)})")
+            if header.get("signature") != self.signature or header.get("block_size") != self.block_size:
+                raise KVTransferError("the decode instance's KV cache is laid out differently (model, block size or "
+                                      "cache dtype differ); pair instances serving the same model and --block-size")
+            if len(remote) != -(-len(prompt) // self.block_size):
+                raise KVTransferError(f"{len(remote)} blocks were held for a {len(prompt)}-token prompt")
+            self.engine.add_remote_prompt(core_id, prompt, header.get("sampling_params") or {},
+                                          int(header.get("sample_seed") or 0))
+        except Exception as exc:  # noqa: BLE001 - the decode side hears why; the engine goes on
+            self.failed += 1
+            self._send(job, {"type": "error", "error": error_payload(exc)})
+            return
+        self.jobs[tid] = job
+        self.by_core_id[core_id] = tid
+        self._send(job, {"type": "accepted"})
+
+    def _send(self, job: _Job, header: dict[str, Any], payload: list | tuple = ()) -> bool:
+        """Send to the job's decode instance; False (and the job dropped) when it is gone."""
+        header = {**header, "tid": job.tid, "seq": job.seq}
+        job.seq += 1
+        try:
+            self.sock.send_multipart([job.peer, *self.channel.seal(header, payload)], copy=False)
+            return True
+        except self.zmq.ZMQError as exc:  # EHOSTUNREACH: the decode instance disconnected
+            logger.warning("decode peer of transfer %s is gone (%s); request dropped", job.tid, exc)
+            self.failed += 1
+            self._drop(job)
+            return False
+
+    def _drop(self, job: _Job) -> None:
+        self.jobs.pop(job.tid, None)
+        self.by_core_id.pop(job.core_id, None)
+        self.finished_tables.pop(job.core_id, None)
+        self.engine.abort_requests([job.core_id])
+
+    # ---- after each engine step -----------------------------------------------------------------
+    def after_step(self, outputs: list) -> list:
+        """Send the blocks each job completed in this step and the first tokens sampled; the
+        outputs that belong to this instance's own clients are returned."""
+        requests = self.engine.scheduler.requests
+        for job in list(self.jobs.values()):
+            table = self.finished_tables.pop(job.core_id, None)
+            if table is not None:
+                complete = len(job.remote_blocks)  # finished: the partial last block too
+            else:
+                req = requests.get(job.core_id)
+                if req is None:
+                    continue
+                table = req.block_table
+                complete = min(req.num_computed_tokens // self.block_size, len(table), len(job.remote_blocks))
+            if complete > job.sent:
+                self._send_blocks(job, table, job.sent, complete)
+        mine = []
+        for out in outputs:
+            tid = self.by_core_id.get(out.request_id)
+            if tid is None:
+                mine.append(out)
+                continue
+            job = self.jobs.get(tid)
+            if job is None or not out.new_token_ids:
+                continue
+            if job.sent != len(job.remote_blocks):
+                self._send(job, {"type": "error", "error": {"message": "the prompt's blocks were not all sent",
+                                                            "status": 500}})
+            else:
+                logprobs = out.new_logprobs[0] if out.new_logprobs else None
+                self._send(job, {"type": "first_token", "token": int(out.new_token_ids[0]), "logprobs": logprobs,
+                                 "num_cached_tokens": int(out.num_cached_tokens or 0)})
+                self.completed += 1
+            self.jobs.pop(tid, None)
+            self.by_core_id.pop(job.core_id, None)
+        return mine
+
+    def _send_blocks(self, job: _Job, table: list[int], start: int, end: int) -> None:
+        transport = self.transports[job.protocol]
+        count = end - start
+        buffer, handle = transport.buffer(count * self.block_bytes, job.tid)
+        transport.gather(self.views, table[start:end], buffer)
+        description, frames = transport.send(buffer, handle)
+        del buffer
+        if self._send(job, {"type": "kv", "start": start, "count": count, "protocol": job.protocol,
+                            "transport": description}, frames):
+            job.sent = end
+
+    def take(self) -> tuple[list, list]:
+        return [], []
+
+    def stats(self) -> dict[str, Any]:
+        return {"pd_role": self.role, "pd_transfers_in_flight": len(self.jobs),
+                "pd_transfers_completed": self.completed, "pd_transfers_failed": self.failed,
+                "kv_transfer": {name: t.stats() for name, t in self.transports.items()}}
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        for transport in self.transports.values():
+            transport.close()

@@ -1,0 +1,192 @@
+"""Prefill/decode disaggregation with real processes on 127.0.0.1: a ``--splitwise`` router, one
+prefill instance offering ``shm`` and ``tcp``, and two decode instances, one taking the KV cache
+over ``tcp`` (with a small cache: 40 blocks, so long prompts wait for room there) and one over
+``shm``. Greedy answers through the pair are the tokens the prefill instance gives when asked
+directly (it then computes the whole request itself, as a mixed instance does).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.conftest import API_KEY, free_port, start_server
+from tests.router.conftest import ROUTER_SECRET, start_router
+
+pytestmark = pytest.mark.slow
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SHARED = ("You are a careful assistant. The following notes describe a small town by a river, its bridges, "
+          "its market on Saturdays, the school, the old mill and the people who keep the gardens. ") * 4
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    SHARED + "Question: what is sold at the market?",
+    SHARED + "Question: who keeps the gardens?",
+    SHARED + "Question: how many bridges are there?",
+    "Write a list of three colors:",
+    ("Once upon a time, in a land far away, there lived a king who loved numbers. " * 12) + "The end of the story:",
+    SHARED * 2 + "Summarize the notes in one sentence:",
+]
+
+
+def _pd_cluster(tmp: str):
+    router = start_router(tmp, "--splitwise", "--decode-policy", "round_robin")
+    pd_port = free_port()
+    common = ("--router", f"127.0.0.1:{router.port}", "--router-secret", ROUTER_SECRET)
+    specs = [
+        ("--splitwise-role", "prefill", "--pd-comm-port", str(pd_port), "--cache-transfer-protocol", "shm,tcp"),
+        ("--splitwise-role", "decode", "--cache-transfer-protocol", "tcp", "--num-gpu-blocks-override", "40"),
+        ("--splitwise-role", "decode", "--cache-transfer-protocol", "shm,tcp"),
+    ]
+    with ThreadPoolExecutor(len(specs)) as pool:
+        started = list(pool.map(lambda spec: start_server(tmp, *spec, *common), specs))
+    return router, started
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("pd"))
+    router, servers = None, []
+    try:
+        router, servers = _pd_cluster(tmp)
+        router.wait_for(timeout=60, prefill=1, decode=2)
+        yield router, servers
+    finally:
+        for srv in servers:
+            srv.stop()
+        if router is not None:
+            router.stop()
+
+
+def _complete(base: str, prompt: str, max_tokens: int, stream: bool) -> list[str] | str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if not stream:
+        resp = httpx.post(f"{base}/v1/completions", headers=AUTH, json=body, timeout=180)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["text"]
+    pieces = []
+    with httpx.stream("POST", f"{base}/v1/completions", headers=AUTH, json=body, timeout=180) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                pieces.extend(c["text"] for c in chunk["choices"])
+    return "".join(pieces)
+
+
+def _metric(server, name: str, **labels: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', line.partition(" ")[0]))
+        if line.partition("{")[0].partition(" ")[0] == name and all(found.get(k) == v for k, v in labels.items()):
+            return float(line.rpartition(" ")[2])
+    raise AssertionError(f"{name} {labels} not in {server.url}/metrics")
+
+
+def _all_blocks_free(servers, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = [(_metric(s, "fastdeploy:free_gpu_block_num"), _metric(s, "fastdeploy:max_gpu_block_num"))
+                 for s in servers]
+        if all(free == total for free, total in state):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still held (free, total) per instance: {state}")
+        time.sleep(0.2)
+
+
+def test_pd_answers_are_the_mixed_answers_and_every_block_is_freed(cluster):
+    router, (prefill, decode_tcp, decode_shm) = cluster
+    jobs = [(p, 6 + 3 * (i % 3), i % 2 == 1) for i, p in enumerate(PROMPTS)]
+    reference = [_complete(prefill.url, p, n, False) for p, n, _ in jobs]  # served whole there
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        routed = list(pool.map(lambda job: _complete(router.url, *job), jobs))
+    assert routed == reference
+    assert all(reference)
+    # Each decode instance took half the requests, and its transport carried their KV.
+    tcp = _metric(decode_tcp, "fastdeploy:kv_transfer_bytes_total", protocol="tcp", direction="received")
+    shm = _metric(decode_shm, "fastdeploy:kv_transfer_bytes_total", protocol="shm", direction="received")
+    assert tcp > 0 and shm > 0
+    assert _metric(decode_tcp, "fastdeploy:kv_transfer_bytes_total", protocol="shm", direction="received") == 0
+    assert _metric(decode_shm, "fastdeploy:kv_transfer_bytes_total", protocol="tcp", direction="received") == 0
+    assert _metric(prefill, "fastdeploy:kv_transfer_bytes_total", protocol="tcp", direction="sent") == tcp
+    assert _metric(prefill, "fastdeploy:kv_transfer_bytes_total", protocol="shm", direction="sent") == shm
+    assert _metric(decode_tcp, "fastdeploy:pd_transfers_completed_total") == len(jobs) // 2
+    assert _metric(decode_shm, "fastdeploy:pd_transfers_completed_total") == len(jobs) // 2
+    _all_blocks_free([prefill, decode_tcp, decode_shm])
+
+
+def test_prompts_beyond_the_small_decode_cache_wait_for_room(cluster):
+    """Decode instance 1 holds 40 blocks of 16 tokens: one 400-token prompt (25 blocks + output) at
+    a time. Four such requests, two per decode instance, all finish with the mixed tokens."""
+    router, (prefill, decode_tcp, decode_shm) = cluster
+    prompts = [f"Item {i}: " + "the river runs under the old stone bridge near the mill. " * 33 for i in range(4)]
+    reference = [_complete(prefill.url, p, 8, False) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        routed = list(pool.map(lambda p: _complete(router.url, p, 8, True), prompts))
+    assert routed == reference
+    _all_blocks_free([prefill, decode_tcp, decode_shm])
+
+
+def test_a_client_disconnect_frees_the_request_on_both_sides(cluster):
+    router, servers = cluster
+    body = {"prompt": SHARED + "Tell a long story:", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    for _ in range(2):  # one per decode instance
+        with httpx.stream("POST", f"{router.url}/v1/completions", headers=AUTH, json=body, timeout=120) as resp:
+            lines = resp.iter_lines()
+            got = [line for line in lines if line.startswith("data: ")][:0] if False else []
+            for line in lines:
+                if line.startswith("data: "):
+                    got.append(line)
+                if len(got) >= 3:
+                    break
+        assert len(got) == 3
+    _all_blocks_free(servers)
+
+
+def test_a_decode_instance_killed_mid_stream_ends_the_stream_with_an_error_in_2_s(cluster):
+    router, (prefill, decode_tcp, decode_shm) = cluster
+    body = {"prompt": "Count from one to one thousand:", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    events: list[tuple[float, str]] = []
+    first = threading.Event()
+
+    def reader() -> None:
+        with httpx.stream("POST", f"{router.url}/v1/completions", headers=AUTH, json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append((time.monotonic(), line[6:]))
+                    first.set()
+
+    before = {s.port: _metric(s, "fastdeploy:num_requests_running") for s in (decode_tcp, decode_shm)}
+    del before
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    assert first.wait(60), "no token arrived"
+    # The stream's decode instance is the one running a request now.
+    running = [s for s in (decode_tcp, decode_shm) if _metric(s, "fastdeploy:num_requests_running") > 0]
+    assert len(running) == 1
+    victim = running[0]
+    killed = time.monotonic()
+    victim.stop(signal.SIGKILL)
+    thread.join(10)
+    assert not thread.is_alive()
+    last_time, last = events[-1]
+    assert "error" in json.loads(last), last
+    assert last_time - killed < 2.0
+    # The survivor serves the next requests; the prefill instance holds nothing for the dead one.
+    survivor = decode_shm if victim is decode_tcp else decode_tcp
+    assert _complete(router.url, "The capital of France is", 4, False)
+    _all_blocks_free([prefill, survivor])
