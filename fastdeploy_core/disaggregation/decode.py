@@ -100,6 +100,8 @@ class DecodeConnector:
         self.errors: list[tuple[str, dict]] = []  # (request id, error dict)
         self.completed = 0
         self.failed = 0
+        #: Whether a message changed what :meth:`stats` reports since the core last sent them.
+        self.dirty = False
 
     # ---- the core loop's hooks --------------------------------------------------------------
     def attach(self, poller: Any) -> None:
@@ -162,6 +164,7 @@ class DecodeConnector:
             while sock.poll(0):
                 opened = self.channel.open(sock.recv_multipart(copy=False), peer=f"prefill {endpoint}")
                 if opened is not None:
+                    self.dirty = True
                     self._handle(endpoint, *opened)
         now = time.monotonic()
         for transfer in list(self.transfers.values()):

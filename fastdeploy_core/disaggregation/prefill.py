@@ -76,6 +76,8 @@ class PrefillConnector:
         engine.scheduler.on_finish = self._on_finish
         self.completed = 0
         self.failed = 0
+        #: Whether a message changed what :meth:`stats` reports since the core last sent them.
+        self.dirty = False
 
     def attach(self, poller: Any) -> None:
         poller.register(self.sock, self.zmq.POLLIN)
@@ -93,6 +95,7 @@ class PrefillConnector:
             if opened is None:
                 continue
             header, _ = opened
+            self.dirty = True
             kind = header["type"]
             if kind == "prefill":
                 self._start(peer, header)

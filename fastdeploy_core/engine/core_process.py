@@ -195,7 +195,9 @@ def _loop(link: _CoreLink, engine: Any, scheduler: Any, parent_pid: int, stoppin
                 link.send(("outputs", scheduler.put_outputs(pd_outputs), _stats(engine, scheduler, pd)))
             for request_id, error in pd_errors:
                 link.send(("request_error", request_id, error))
-            stats_dirty = stats_dirty or bool(pd_outputs or pd_errors)
+            if pd.dirty or pd_errors:  # a transfer started or ended: /metrics shows it before the next step
+                pd.dirty = False
+                link.send(("stats", _stats(engine, scheduler, pd)))
 
         events = scheduler.poll()
         if events:

@@ -422,7 +422,7 @@ class EngineCore:
             free_blocks=max(0, bm.num_free_blocks - promised),
             block_size=bm.block_size,
             token_budget=self.runner.max_num_batched_tokens,
-            idle=not sched.has_unfinished_requests(),
+            idle=not sched.requests,  # reserved requests (a decode instance's) hold blocks too
         )
 
     # ---- the step --------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,9 @@ def _pd_cluster(tmp: str):
     pd_port = free_port()
     common = ("--router", f"127.0.0.1:{router.port}", "--router-secret", ROUTER_SECRET)
     specs = [
-        ("--splitwise-role", "prefill", "--pd-comm-port", str(pd_port), "--cache-transfer-protocol", "shm,tcp"),
+        # Prompt steps of at most 128 tokens: a long prompt's blocks go in several batches, chunk by chunk.
+        ("--splitwise-role", "prefill", "--pd-comm-port", str(pd_port), "--cache-transfer-protocol", "shm,tcp",
+         "--max-num-batched-tokens", "128"),
         ("--splitwise-role", "decode", "--cache-transfer-protocol", "tcp", "--num-gpu-blocks-override", "40"),
         ("--splitwise-role", "decode", "--cache-transfer-protocol", "shm,tcp"),
     ]
@@ -109,16 +112,15 @@ def _all_blocks_free(servers, timeout: float = 15.0) -> None:
 def test_pd_answers_are_the_mixed_answers_and_every_block_is_freed(cluster):
     router, (prefill, decode_tcp, decode_shm) = cluster
     jobs = [(p, 6 + 3 * (i % 3), i % 2 == 1) for i, p in enumerate(PROMPTS)]
-    reference = [_complete(prefill.url, p, n, False) for p, n, _ in jobs]  # served whole there
     with ThreadPoolExecutor(len(jobs)) as pool:
         routed = list(pool.map(lambda job: _complete(router.url, *job), jobs))
+    reference = [_complete(prefill.url, p, n, False) for p, n, _ in jobs]  # served whole there
     assert routed == reference
     assert all(reference)
     # Each decode instance took half the requests, and its transport carried their KV.
     tcp = _metric(decode_tcp, "fastdeploy:kv_transfer_bytes_total", protocol="tcp", direction="received")
     shm = _metric(decode_shm, "fastdeploy:kv_transfer_bytes_total", protocol="shm", direction="received")
     assert tcp > 0 and shm > 0
-    assert _metric(decode_tcp, "fastdeploy:kv_transfer_bytes_total", protocol="shm", direction="received") == 0
     assert _metric(decode_shm, "fastdeploy:kv_transfer_bytes_total", protocol="tcp", direction="received") == 0
     assert _metric(prefill, "fastdeploy:kv_transfer_bytes_total", protocol="tcp", direction="sent") == tcp
     assert _metric(prefill, "fastdeploy:kv_transfer_bytes_total", protocol="shm", direction="sent") == shm
@@ -132,28 +134,60 @@ def test_prompts_beyond_the_small_decode_cache_wait_for_room(cluster):
     a time. Four such requests, two per decode instance, all finish with the mixed tokens."""
     router, (prefill, decode_tcp, decode_shm) = cluster
     prompts = [f"Item {i}: " + "the river runs under the old stone bridge near the mill. " * 33 for i in range(4)]
-    reference = [_complete(prefill.url, p, 8, False) for p in prompts]
+    batches = sum(_metric(prefill, "fastdeploy:kv_transfer_batches_total", protocol=p, direction="sent")
+                  for p in ("tcp", "shm"))
     with ThreadPoolExecutor(len(prompts)) as pool:
         routed = list(pool.map(lambda p: _complete(router.url, p, 8, True), prompts))
+    # ~400-token prompts in prompt steps of at most 128 tokens: each one's blocks went in several
+    # batches, sent as its chunks completed.
+    after = sum(_metric(prefill, "fastdeploy:kv_transfer_batches_total", protocol=p, direction="sent")
+                for p in ("tcp", "shm"))
+    assert after - batches >= 3 * len(prompts)
+    reference = [_complete(prefill.url, p, 8, False) for p in prompts]
     assert routed == reference
     _all_blocks_free([prefill, decode_tcp, decode_shm])
 
 
 def test_a_client_disconnect_frees_the_request_on_both_sides(cluster):
     router, servers = cluster
-    body = {"prompt": SHARED + "Tell a long story:", "max_tokens": 400, "temperature": 0, "stream": True,
+    body = {"prompt": SHARED + "Tell a long story:", "max_tokens": 300, "temperature": 0, "stream": True,
             "ignore_eos": True}
     for _ in range(2):  # one per decode instance
+        got = []
         with httpx.stream("POST", f"{router.url}/v1/completions", headers=AUTH, json=body, timeout=120) as resp:
-            lines = resp.iter_lines()
-            got = [line for line in lines if line.startswith("data: ")][:0] if False else []
-            for line in lines:
+            assert resp.status_code == 200, resp.read()
+            for line in resp.iter_lines():
                 if line.startswith("data: "):
                     got.append(line)
                 if len(got) >= 3:
                     break
-        assert len(got) == 3
+        assert len(got) == 3 and all("error" not in json.loads(line[6:]) for line in got), got
     _all_blocks_free(servers)
+
+
+def test_a_client_gone_before_the_first_token_drops_the_request_on_the_prefill_side_too(cluster):
+    """The client leaves while the prefill instance still computes a 480-token prompt: the decode
+    instance aborts, tells the prefill instance, and the prefill instance drops it unfinished."""
+    router, (prefill, *decodes) = cluster
+    done = _metric(prefill, "fastdeploy:pd_transfers_completed_total")
+    body = {"prompt": "Seven rivers meet below the hills where the shepherds rest. " * 40, "max_tokens": 4,
+            "temperature": 0, "stream": True}
+    raw = json.dumps(body).encode()
+    client = socket.create_connection(("127.0.0.1", router.port))
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                   + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    deadline = time.monotonic() + 30
+    while _metric(prefill, "fastdeploy:pd_transfers_in_flight") == 0:  # the prefill instance took it
+        assert time.monotonic() < deadline, "the prefill instance never took the request"
+        time.sleep(0.01)
+    client.close()
+    # The client is gone; the prefill instance drops the request before it finishes.
+    deadline = time.monotonic() + 10
+    while _metric(prefill, "fastdeploy:pd_transfers_in_flight") != 0:
+        assert time.monotonic() < deadline, "the prefill instance kept the request"
+        time.sleep(0.05)
+    assert _metric(prefill, "fastdeploy:pd_transfers_completed_total") == done
+    _all_blocks_free([prefill, *decodes])
 
 
 def test_a_decode_instance_killed_mid_stream_ends_the_stream_with_an_error_in_2_s(cluster):
