@@ -405,6 +405,13 @@ class EngineArgs(_Section):
                 "prefill/decode instance takes its requests from the router's pairing, not a shared queue; use "
                 "--scheduler-name local"
             )
+        if self.splitwise.disaggregated and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size {self.parallel.tensor_parallel_size} with splitwise_role "
+                f"{self.splitwise.splitwise_role}: moving a prompt's KV cache between instances is implemented for one "
+                "rank per instance (each rank's share of the KV heads would have to reach its peer rank); use "
+                "--tensor-parallel-size 1 on prefill and decode instances"
+            )
         return self
 
     @classmethod

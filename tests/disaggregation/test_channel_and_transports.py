@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from types import SimpleNamespace
 
@@ -127,3 +128,24 @@ def test_a_prompt_the_decode_cache_cannot_hold_is_a_clear_error_with_nothing_hel
     with pytest.raises(KVTransferError, match="give both a common --cache-transfer-protocol"):
         connector.start(mismatch)
     connector.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        ({"splitwise_role": "prefill", "router": "h:1"}, "splitwise_role prefill needs --pd-comm-port"),
+        ({"splitwise_role": "decode", "router": "h:1", "pd_comm_port": 9100}, "only prefill instances bind it"),
+        ({"splitwise_role": "decode"}, "needs --router HOST:PORT"),
+        ({"cache_transfer_protocol": "shm"}, "a mixed instance moves no KV cache"),
+        ({"splitwise_role": "decode", "router": "h:1", "cache_transfer_protocol": "tcp,,shm"}, "distinct transport"),
+        ({"splitwise_role": "decode", "router": "h:1", "scheduler_name": "global"}, "use --scheduler-name local"),
+        ({"splitwise_role": "decode", "router": "h:1", "tensor_parallel_size": 2}, "use --tensor-parallel-size 1"),
+    ],
+)
+def test_role_settings_that_cannot_work_are_refused_naming_the_fix(flags, says):
+    from fastdeploy_core.config import EngineArgs
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        EngineArgs.create(**flags)
+    assert EngineArgs.create(splitwise_role="prefill", router="h:1", pd_comm_port=9100,
+                             cache_transfer_protocol="shm, tcp").splitwise.protocols == ["shm", "tcp"]
