@@ -69,8 +69,8 @@ def cluster(tmp_path_factory):
             router.stop()
 
 
-def _complete(base: str, prompt: str, max_tokens: int, stream: bool) -> list[str] | str:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+def _complete(base: str, prompt: str, max_tokens: int, stream: bool, **extra) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, **extra}
     if not stream:
         resp = httpx.post(f"{base}/v1/completions", headers=AUTH, json=body, timeout=180)
         assert resp.status_code == 200, resp.text
@@ -146,6 +146,35 @@ def test_prompts_beyond_the_small_decode_cache_wait_for_room(cluster):
     reference = [_complete(prefill.url, p, 8, False) for p in prompts]
     assert routed == reference
     _all_blocks_free([prefill, decode_tcp, decode_shm])
+
+
+def test_a_request_preempted_on_the_decode_side_is_recomputed_there_with_the_same_tokens(cluster):
+    """Two 250-token prompts growing to 400 tokens on the 40-block decode instance (50 blocks of
+    16 tokens between them): one is preempted and recomputed from its tokens on the decode side."""
+    router, (prefill, decode_tcp, decode_shm) = cluster
+    prompts = [f"Note {i}. " + "A lantern hangs by the door of the baker's house. " * 23 for i in range(4)]
+    before = _metric(decode_tcp, "fastdeploy:num_preemptions_total")
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        routed = list(pool.map(lambda p: _complete(router.url, p, 150, False, ignore_eos=True), prompts))
+    assert _metric(decode_tcp, "fastdeploy:num_preemptions_total") > before
+    with ThreadPoolExecutor(len(prompts)) as pool:  # the prefill instance's 512 blocks hold all four
+        reference = list(pool.map(lambda p: _complete(prefill.url, p, 150, False, ignore_eos=True), prompts))
+    assert routed == reference
+    _all_blocks_free([prefill, decode_tcp, decode_shm])
+
+
+def test_a_decode_instance_refuses_a_pairing_the_router_did_not_sign(cluster):
+    router, (prefill, decode_tcp, _) = cluster
+    body = json.dumps({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}).encode()
+    forged = {**AUTH, "Content-Type": "application/json", "X-FD-Disaggregate": json.dumps({"prefill": "10.0.0.9:1"}),
+              "X-FD-Disaggregate-Signature": f"{time.time():.3f}:" + "00" * 32}
+    resp = httpx.post(f"{decode_tcp.url}/v1/completions", content=body, headers=forged, timeout=60)
+    assert resp.status_code == 403 and "pairing header was refused (bad pairing signature)" in resp.text
+    # Without a pairing the decode instance serves the request whole.
+    plain = httpx.post(f"{decode_tcp.url}/v1/completions", content=body, timeout=60,
+                       headers={**AUTH, "Content-Type": "application/json"})
+    assert plain.status_code == 200
+    assert plain.json()["choices"][0]["text"] == _complete(prefill.url, "The capital of France is", 4, False)
 
 
 def test_a_client_disconnect_frees_the_request_on_both_sides(cluster):

@@ -77,6 +77,8 @@ class _EngineStateCollector:
         yield GaugeMetricFamily("fastdeploy:scheduler_queue_depth", "Requests queued in the request-level "
                                 "scheduler (for global: in this instance's Redis queue)",
                                 value=float(s.get("scheduler_queue_depth", 0) or 0))
+        yield CounterMetricFamily("fastdeploy:num_preemptions", "Running requests preempted for blocks (recomputed "
+                                  "later from their tokens)", value=float(s.get("num_preemptions", 0) or 0))
         for name, doc in _SCHEDULER_COUNTERS.items():
             yield CounterMetricFamily(f"fastdeploy:{name}", doc, value=float(s.get(name, 0) or 0))
         yield from _speculative_metrics(s)
