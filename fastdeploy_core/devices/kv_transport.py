@@ -30,7 +30,14 @@ import numpy as np
 
 
 def host_views(kv_caches: list[tuple]) -> list[tuple[np.ndarray, ...]]:
-    """numpy views (no copy) of a cache's tensors, for caches in host memory."""
+    """numpy views (no copy) of a cache's tensors, for caches in host memory; a ConfigError for a
+    cache made of something else (an int8 KV cache's codes-and-scales objects)."""
+    from fastdeploy_core.errors import ConfigError
+
+    if any(not hasattr(t, "__dlpack__") for layer in kv_caches for t in layer):
+        raise ConfigError("kv_cache_dtype: prefill/decode instances move float KV caches only; this one is "
+                          "quantized (int8): drop --kv-cache-dtype int8 (or the checkpoint's KV quantization) on "
+                          "prefill and decode instances", param="kv_cache_dtype")
     return [tuple(np.from_dlpack(t) for t in layer) for layer in kv_caches]
 
 

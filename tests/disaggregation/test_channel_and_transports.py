@@ -149,3 +149,11 @@ def test_role_settings_that_cannot_work_are_refused_naming_the_fix(flags, says):
         EngineArgs.create(**flags)
     assert EngineArgs.create(splitwise_role="prefill", router="h:1", pd_comm_port=9100,
                              cache_transfer_protocol="shm, tcp").splitwise.protocols == ["shm", "tcp"]
+
+
+def test_a_quantized_kv_cache_is_refused_for_transfer():
+    from fastdeploy_core.quantization.kv_cache import QuantizedKVCache
+
+    cache = QuantizedKVCache(4, 4, 2, 8, CpuDevice.zeros)
+    with pytest.raises(ConfigError, match="move float KV caches only"):
+        host_views([(cache, cache)])
