@@ -9,19 +9,24 @@ device's shared-memory collectives for ranks on one host).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import paddle
 
 
-class Collectives:
+class Collectives(ABC):
     """The contract (see the module docstring)."""
 
-    name = "none"
+    #: shown in ``config-info`` (``collectives``)
+    name = ""
 
+    @abstractmethod
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
-        raise NotImplementedError
+        """The sum of ``x`` over the ranks, on every rank."""
 
+    @abstractmethod
     def all_gather_columns(self, x: paddle.Tensor, widths: list[int]) -> paddle.Tensor:
-        raise NotImplementedError
+        """The ranks' ``[B, widths[rank]]`` blocks side by side, in rank order, on every rank."""
 
 
 class PaddleCollectives(Collectives):

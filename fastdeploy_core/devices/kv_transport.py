@@ -24,6 +24,8 @@ The block bytes are laid out layer by layer, then cache tensor by cache tensor, 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
@@ -51,7 +53,18 @@ def block_nbytes(views: list[tuple[np.ndarray, ...]]) -> int:
     return sum(v[0].nbytes for layer in views for v in layer)
 
 
-class KVTransport:
+def _block_spans(views: list[tuple[np.ndarray, ...]], count: int) -> Iterator[tuple[np.ndarray, int, int]]:
+    """Each cache tensor with the byte span ``[start, stop)`` its ``count`` blocks take in a batch
+    (layer by layer, then tensor by tensor: the layout :meth:`KVTransport.gather` makes)."""
+    offset = 0
+    for layer in views:
+        for v in layer:
+            n = v[0].nbytes * count
+            yield v, offset, offset + n
+            offset += n
+
+
+class KVTransport(ABC):
     """One way of moving KV block bytes between two instances (see the module docstring)."""
 
     #: ``--cache-transfer-protocol`` name.
@@ -67,31 +80,26 @@ class KVTransport:
         self.batches_received = 0
 
     # ---- sender ----------------------------------------------------------------------------
+    @abstractmethod
     def buffer(self, nbytes: int, transfer_id: str) -> tuple[np.ndarray, dict[str, Any]]:
         """A writable uint8 buffer of ``nbytes`` for :meth:`gather` and what :meth:`send` needs to
         find it again."""
-        raise NotImplementedError
 
+    @abstractmethod
     def send(self, buffer: np.ndarray, handle: dict[str, Any]) -> tuple[dict[str, Any], list]:
         """The description (JSON) and the frames that carry ``buffer`` to the receiver."""
-        raise NotImplementedError
 
     @staticmethod
     def gather(views: list[tuple[np.ndarray, ...]], block_ids: list[int], out: np.ndarray) -> None:
         """Copy ``block_ids`` of every layer and tensor into ``out`` (uint8, in the layout above)."""
         ids = np.asarray(block_ids, dtype=np.int64)
-        offset = 0
-        for layer in views:
-            for v in layer:
-                n = v[0].nbytes * len(ids)
-                target = out[offset:offset + n].view(v.dtype).reshape((len(ids), *v.shape[1:]))
-                np.take(v, ids, axis=0, out=target)
-                offset += n
+        for v, start, stop in _block_spans(views, len(ids)):
+            np.take(v, ids, axis=0, out=out[start:stop].view(v.dtype).reshape((len(ids), *v.shape[1:])))
 
     # ---- receiver --------------------------------------------------------------------------
+    @abstractmethod
     def receive(self, description: dict[str, Any], frames: list) -> np.ndarray:
         """A uint8 view of the bytes sent (valid until :meth:`release`)."""
-        raise NotImplementedError
 
     def release(self, description: dict[str, Any]) -> None:
         """The receiver is done with the bytes of ``description``."""
@@ -100,14 +108,11 @@ class KVTransport:
     def scatter(views: list[tuple[np.ndarray, ...]], block_ids: list[int], data: np.ndarray) -> None:
         """Write ``data`` (the layout :meth:`gather` makes) into ``block_ids`` of the cache."""
         ids = np.asarray(block_ids, dtype=np.int64)
-        offset = 0
-        for layer in views:
-            for v in layer:
-                n = v[0].nbytes * len(ids)
-                v[ids] = data[offset:offset + n].view(v.dtype).reshape((len(ids), *v.shape[1:]))
-                offset += n
-        if offset != data.nbytes:
-            raise ValueError(f"a KV batch of {data.nbytes} bytes does not hold {len(ids)} blocks ({offset} bytes)")
+        stop = 0
+        for v, start, stop in _block_spans(views, len(ids)):
+            v[ids] = data[start:stop].view(v.dtype).reshape((len(ids), *v.shape[1:]))
+        if stop != data.nbytes:
+            raise ValueError(f"a KV batch of {data.nbytes} bytes does not hold {len(ids)} blocks ({stop} bytes)")
 
     def close(self) -> None:
         """Free what the transport holds (called when the engine stops)."""
