@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdeploy_core.devices.kv_transport import cache_signature, host_views
-from fastdeploy_core.disaggregation.channel import TO_DECODE, TO_PREFILL, Channel
+from fastdeploy_core.disaggregation.channel import TO_DECODE, TO_PREFILL
+from fastdeploy_core.disaggregation.connector import Connector
 from fastdeploy_core.errors import InvalidRequestError, KVTransferError
 
 logger = logging.getLogger("fastdeploy.pd_decode")
@@ -75,22 +75,14 @@ def is_local_host(host: str) -> bool:
         return False
 
 
-class DecodeConnector:
+class DecodeConnector(Connector):
     """A decode instance's transfers (see the module docstring)."""
 
     role = "decode"
 
     def __init__(self, engine: Any, key: bytes, protocols: list[str], zmq: Any):
-        self.engine = engine
-        self.zmq = zmq
-        self.ctx = zmq.Context.instance()
-        self.channel = Channel(key, TO_PREFILL, TO_DECODE)
-        device = engine.runner.device_cls
-        self.transports = {name: device.make_kv_transport(name) for name in protocols}
+        super().__init__(engine, key, protocols, zmq, TO_PREFILL, TO_DECODE)
         self.preference = list(protocols)
-        self.views = host_views(engine.runner.kv_caches)
-        self.signature = cache_signature(self.views)
-        self.block_size = engine.block_manager.block_size
         self.poller: Any = None
         self.peers: dict[str, Any] = {}  # prefill endpoint -> DEALER socket
         self.monitors: dict[Any, str] = {}  # monitor socket -> endpoint
@@ -98,10 +90,6 @@ class DecodeConnector:
         self.by_request: dict[str, str] = {}  # client request id -> transfer id
         self.outputs: list = []  # EngineCoreOutput ready for the API process
         self.errors: list[tuple[str, dict]] = []  # (request id, error dict)
-        self.completed = 0
-        self.failed = 0
-        #: Whether a message changed what :meth:`stats` reports since the core last sent them.
-        self.dirty = False
 
     # ---- the core loop's hooks --------------------------------------------------------------
     def attach(self, poller: Any) -> None:
@@ -182,16 +170,13 @@ class DecodeConnector:
         self.outputs, self.errors = [], []
         return outputs, errors
 
-    def stats(self) -> dict[str, Any]:
-        return {"pd_role": self.role, "pd_transfers_in_flight": len(self.transfers),
-                "pd_transfers_completed": self.completed, "pd_transfers_failed": self.failed,
-                "kv_transfer": {name: t.stats() for name, t in self.transports.items()}}
+    def in_flight(self) -> int:
+        return len(self.transfers)
 
     def close(self) -> None:
         for sock in list(self.peers.values()) + list(self.monitors):
             sock.close(linger=0)
-        for transport in self.transports.values():
-            transport.close()
+        self.close_transports()
 
     # ---- messages ---------------------------------------------------------------------------
     def _socket(self, endpoint: str) -> Any:

@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fastdeploy_core.devices.kv_transport import block_nbytes, cache_signature, host_views
-from fastdeploy_core.disaggregation.channel import MAX_SKEW_S, TO_DECODE, TO_PREFILL, Channel
+from fastdeploy_core.disaggregation.channel import MAX_SKEW_S, TO_DECODE, TO_PREFILL
+from fastdeploy_core.disaggregation.connector import Connector
 from fastdeploy_core.errors import KVTransferError
 from fastdeploy_core.scheduler.base import error_dict as error_payload
 
@@ -47,22 +47,13 @@ class _Job:
     seq: int = 0
 
 
-class PrefillConnector:
+class PrefillConnector(Connector):
     """A prefill instance's transfers (see the module docstring)."""
 
     role = "prefill"
 
     def __init__(self, engine: Any, key: bytes, protocols: list[str], bind: str, zmq: Any):
-        self.engine = engine
-        self.zmq = zmq
-        self.ctx = zmq.Context.instance()
-        self.channel = Channel(key, TO_DECODE, TO_PREFILL)
-        device = engine.runner.device_cls
-        self.transports = {name: device.make_kv_transport(name) for name in protocols}
-        self.views = host_views(engine.runner.kv_caches)
-        self.signature = cache_signature(self.views)
-        self.block_bytes = block_nbytes(self.views)
-        self.block_size = engine.block_manager.block_size
+        super().__init__(engine, key, protocols, zmq, TO_DECODE, TO_PREFILL)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -74,10 +65,6 @@ class PrefillConnector:
         self.seen: dict[str, float] = {}  # transfer ids taken (a replayed prefill message is refused)
         self.finished_tables: dict[str, list[int]] = {}
         engine.scheduler.on_finish = self._on_finish
-        self.completed = 0
-        self.failed = 0
-        #: Whether a message changed what :meth:`stats` reports since the core last sent them.
-        self.dirty = False
 
     def attach(self, poller: Any) -> None:
         poller.register(self.sock, self.zmq.POLLIN)
@@ -208,12 +195,9 @@ class PrefillConnector:
     def take(self) -> tuple[list, list]:
         return [], []
 
-    def stats(self) -> dict[str, Any]:
-        return {"pd_role": self.role, "pd_transfers_in_flight": len(self.jobs),
-                "pd_transfers_completed": self.completed, "pd_transfers_failed": self.failed,
-                "kv_transfer": {name: t.stats() for name, t in self.transports.items()}}
+    def in_flight(self) -> int:
+        return len(self.jobs)
 
     def close(self) -> None:
         self.sock.close(linger=0)
-        for transport in self.transports.values():
-            transport.close()
+        self.close_transports()
