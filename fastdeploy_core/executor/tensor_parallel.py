@@ -153,9 +153,8 @@ class TensorParallelRunner:
         self.vocab_size = info["vocab_size"]
         self.block_size = info["block_size"]
         self.max_num_batched_tokens = info["max_num_batched_tokens"]
-        # what the engine core asks of the ops table: whether prompt chunks and decodes mix
-        ops_cls = device_cls.make_ops(args.parallel.attention_backend)
-        self.ops = SimpleNamespace(ragged_attention=bool(getattr(ops_cls, "ragged_attention", False)))
+        # what the engine core asks of the ops table (whether prompt chunks and decodes mix): rank 0's answer
+        self.ops = SimpleNamespace(ragged_attention=info["ragged_attention"])
         self.model = None  # the weights live in the rank processes
         logger.info("tensor parallelism: %d ranks (%s collectives), %d KV blocks each", self.size,
                     self.info.get("collectives", "?"), self.num_blocks)

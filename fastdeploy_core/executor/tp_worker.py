@@ -45,7 +45,9 @@ def serve(conn: Connection) -> int:
         collectives = device_cls.tp_collectives(rank, size, session)  # meets the other ranks
         set_tensor_parallel(rank, size, collectives)
         runner = ModelRunner(args, pm)
-        conn.send(("ready", runner.num_blocks, dict(runner.describe(), collectives=collectives.name)))
+        info = dict(runner.describe(), collectives=collectives.name,
+                    ragged_attention=bool(getattr(runner.ops, "ragged_attention", False)))
+        conn.send(("ready", runner.num_blocks, info))
     except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises it
         traceback.print_exc()
         conn.send(_error(exc))

@@ -86,6 +86,8 @@ class Linear(nn.Layer):
             the ranks' partial outputs (all-reduce); ``None`` keeps the whole layer on every rank.
         tp_range: the share (``[start, stop)`` of the split axis) when the caller decides it
             (attention heads); else an even split in whole units of up to 128.
+        tp_rows: a column-parallel layer loaded in parts (merged layers): checkpoint rows kept
+            per ``shard_id``; ``output_size`` is then already this rank's.
 
     ``input_size`` / ``output_size`` are then this rank's sizes; the weight loaders take the
     checkpoint's whole tensor and keep only the rank's rows or columns (a view: a memory-mapped
@@ -101,6 +103,7 @@ class Linear(nn.Layer):
         prefix: str = "",
         tp: str | None = None,
         tp_range: tuple[int, int] | None = None,
+        tp_rows: dict | None = None,
     ):
         super().__init__()
         self.full_input_size = int(input_size)
@@ -108,9 +111,11 @@ class Linear(nn.Layer):
         self.prefix = prefix
         group = tp_group()
         self.tp_mode = tp if group.size > 1 else None
-        self.tp_rows: dict | None = getattr(self, "tp_rows", None)  # shard id -> checkpoint rows kept
+        self.tp_rows: dict | None = None  # shard id -> checkpoint rows kept
         self.tp_cols: tuple[int, int] | None = None  # checkpoint inputs kept
-        if self.tp_mode == "column" and self.tp_rows is None:
+        if self.tp_mode == "column" and tp_rows is not None:
+            self.tp_rows = tp_rows
+        elif self.tp_mode == "column":
             share = tp_range or partition(output_size, group.size, group.rank, split_unit(output_size, group.size))
             self.tp_rows = {None: share}
             output_size = share[1] - share[0]
@@ -188,14 +193,15 @@ class MergedColumnLinear(Linear):
         if len(self.shard_names) != len(self.output_sizes):
             raise ValueError("shard_names and output_sizes must have the same length")
         group = tp_group()
+        rows = None
         if tp == "column" and group.size > 1:
             # each part split on its own: this rank's rows of q, of k, of v (or of gate, of up)
             shares = list(tp_shares) if tp_shares is not None else [
                 partition(size, group.size, group.rank, split_unit(size, group.size)) for size in self.output_sizes
             ]
-            self.tp_rows = {}
+            rows = {}
             for index, (name, share) in enumerate(zip(self.shard_names, shares)):
-                self.tp_rows[name] = self.tp_rows[index] = share
+                rows[name] = rows[index] = share
             self.output_sizes = [stop - start for start, stop in shares]
         elif tp not in (None, "column"):
             raise ValueError(f"a merged column layer splits its outputs: tp must be 'column' or None, not {tp!r}")
@@ -203,7 +209,9 @@ class MergedColumnLinear(Linear):
         for size in self.output_sizes:
             offsets.append(offsets[-1] + size)
         self.shard_offsets = offsets
-        super().__init__(input_size, offsets[-1], bias=bias, quant_config=quant_config, prefix=prefix, tp=tp)
+        super().__init__(
+            input_size, offsets[-1], bias=bias, quant_config=quant_config, prefix=prefix, tp=tp, tp_rows=rows
+        )
 
     def shard_range(self, shard_id) -> tuple[int, int]:
         """Output columns ``[start, stop)`` of shard ``shard_id`` (name or index)."""
