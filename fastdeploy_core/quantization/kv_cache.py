@@ -71,7 +71,10 @@ class QuantizedKVCache:
 
         Same call as ``paddle.Tensor.index_put_``, so a write path written for float caches works unchanged.
         """
-        codes, scale = quantize_kv(values, self.parts)
+        return self.store(indices, *quantize_kv(values, self.parts))
+
+    def store(self, indices: tuple, codes: paddle.Tensor, scale: paddle.Tensor) -> QuantizedKVCache:
+        """Put already quantized rows (``quantize_kv(values, self.parts)``) at ``indices``."""
         self.data.index_put_(indices, codes)
         self.scale.index_put_(indices, scale)
         return self
@@ -155,19 +158,19 @@ class Int8KVCacheOps:
         reads exactly what later steps (and prefix-cache hits) will."""
         if not isinstance(latent_cache, QuantizedKVCache):
             return self.inner.mla_paged_attention(q, latent, latent_cache, meta, w_kv, scale, form)
-        block_size = latent_cache.shape[1]
-        block_ids = paddle.floor_divide(meta.slot_mapping, paddle.to_tensor(block_size, dtype=meta.slot_mapping.dtype))
-        offsets = meta.slot_mapping - block_ids * block_size
-        rows = latent.reshape([-1, 1, int(latent.shape[-1])])
-        latent_cache.index_put_((block_ids, offsets), rows)
-        compact = meta.attn_state.get("int8_latent")
-        if compact is None:
+        step = meta.attn_state.get("int8_latent")  # the same for every layer of the step
+        if step is None:
+            block_size = latent_cache.shape[1]
+            block_ids = paddle.floor_divide(meta.slot_mapping, paddle.to_tensor(block_size, dtype=meta.slot_mapping.dtype))
             used, compact_meta = self._compact_meta(meta, block_size)
             compact_meta.slot_mapping = self._compact_slots(meta.slot_mapping, used, block_size)
-            compact = (used, compact_meta)
-            meta.attn_state["int8_latent"] = compact
-        used, compact_meta = compact
-        stored = dequantize_kv(*quantize_kv(rows, latent_cache.parts), latent_cache.parts).reshape(latent.shape)
+            step = ((block_ids, meta.slot_mapping - block_ids * block_size), used, compact_meta)
+            meta.attn_state["int8_latent"] = step
+        indices, used, compact_meta = step
+        parts = latent_cache.parts
+        codes, scales = quantize_kv(latent.reshape([-1, 1, int(latent.shape[-1])]), parts)
+        latent_cache.store(indices, codes, scales)
+        stored = dequantize_kv(codes, scales, parts).reshape(latent.shape)
         return self.inner.mla_paged_attention(q, stored, latent_cache.gather_blocks(used), compact_meta, w_kv, scale, form)
 
     @staticmethod
