@@ -27,6 +27,8 @@ from fastdeploy_core.errors import ConfigError
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests.engine.test_engine_tiny import _save_tiny as save_tiny  # noqa: E402
+
 MAX_NEW = 12
 PROMPTS = [
     [5, 9, 17, 33, 2, 7, 100, 64, 3],
@@ -40,24 +42,8 @@ LOGPROB_TOL = 1e-4
 
 
 def _save_tiny(path: str, tied: bool):
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.3,  # peaky logits: no near-ties between float32 stacks
-        tie_word_embeddings=tied,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(path)
-    return model
+    """test_engine_tiny's tiny GQA Llama (4 heads over 2 KV heads), tied or not."""
+    return save_tiny(path, {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": tied})
 
 
 def _emulate_bf16_linears(model):
