@@ -10,13 +10,16 @@ decode engine core process:
    parameters with this instance's sampling seed (so the first token is the one this instance
    would have drawn), the ids of the blocks it holds, the transport it picked and its cache's
    signature;
-3. takes ``kv`` messages, in order: each names a run of the request's blocks and carries their
-   bytes (tcp) or where they are (shm); the transport writes them into the held blocks;
+3. takes ``kv`` messages, in order: each names a run of the request's blocks, of every layer or
+   of one (``layer``: the prefill instance sends each layer as its forward writes it), and
+   carries their bytes (tcp) or where they are (shm); the transport writes them into the held
+   blocks;
 4. on ``first_token``, with every block written, the request joins the running batch
    (``EngineCore.admit_remote``) and its first token goes to the client; from there it decodes
    like any other request (a preempted one is recomputed here, from its tokens).
 
-An abort (client gone, stop string) sends ``abort`` to the prefill instance, which drops the
+Requests with several choices, prompt logprobs or structured output are computed whole here
+(:meth:`DecodeConnector.splits`). An abort (client gone, stop string) sends ``abort`` to the prefill instance, which drops the
 request there too. An ``error`` message, a prefill instance that does not acknowledge within
 :data:`ACCEPT_TIMEOUT_S`, or one whose connection drops, fails the request with a 503 that says so.
 """
@@ -33,7 +36,7 @@ from typing import Any
 
 from fastdeploy_core.disaggregation.channel import TO_DECODE, TO_PREFILL
 from fastdeploy_core.disaggregation.connector import Connector
-from fastdeploy_core.errors import InvalidRequestError, KVTransferError
+from fastdeploy_core.errors import KVTransferError
 
 logger = logging.getLogger("fastdeploy.pd_decode")
 
@@ -54,8 +57,14 @@ class _Transfer:
     started: float = field(default_factory=time.monotonic)
     accepted: bool = False
     next_seq: int = 0
-    blocks_written: int = 0
+    #: Per layer, how many of the request's blocks (from the first) hold their KV.
+    layers_written: list[int] = field(default_factory=list)
     bytes: int = 0
+
+    @property
+    def blocks_written(self) -> int:
+        """Blocks written in every layer."""
+        return min(self.layers_written)
 
 
 def is_local_host(host: str) -> bool:
@@ -90,19 +99,25 @@ class DecodeConnector(Connector):
         self.by_request: dict[str, str] = {}  # client request id -> transfer id
         self.outputs: list = []  # EngineCoreOutput ready for the API process
         self.errors: list[tuple[str, dict]] = []  # (request id, error dict)
+        self.served_whole = 0  # paired requests computed here whole (see splits)
 
     # ---- the core loop's hooks --------------------------------------------------------------
     def attach(self, poller: Any) -> None:
         self.poller = poller
 
+    @staticmethod
+    def splits(core_request: Any) -> bool:
+        """Whether a paired request is computed by the prefill instance. Requests with several
+        choices, prompt logprobs or structured output are computed whole here instead (the
+        prefill side returns one choice's first token and no prompt logprobs, and compiles no
+        grammar): their answer is the one a mixed instance gives."""
+        params = core_request.sampling_params
+        return params.n == 1 and params.prompt_logprobs is None and params.guided_decoding is None
+
     def start(self, core_request: Any) -> None:
         """Begin a paired request (raises a typed error, with nothing held, when it cannot)."""
         pairing = core_request.disaggregate
         params = core_request.sampling_params
-        if params.n != 1 or params.prompt_logprobs is not None or params.guided_decoding is not None:
-            raise InvalidRequestError(
-                "n > 1, prompt_logprobs and structured output are not served by prefill/decode pairs yet; send "
-                "such requests to a mixed instance", param="n" if params.n != 1 else None)
         host, _, port = pairing["prefill"].rpartition(":")
         offered = set(pairing["protocols"])
         usable = [p for p in self.preference if p in offered
@@ -119,7 +134,8 @@ class DecodeConnector(Connector):
                 f"the prompt needs {bm.blocks_needed(len(core_request.prompt_token_ids))} KV blocks and this decode "
                 f"instance has {bm.num_free_blocks} free of {bm.num_blocks}; retry later or add decode capacity")
         tid = secrets.token_hex(16)
-        transfer = _Transfer(tid, core_request.request_id, request, pairing["prefill"], usable[0])
+        transfer = _Transfer(tid, core_request.request_id, request, pairing["prefill"], usable[0],
+                             layers_written=[0] * len(self.views))
         self.transfers[tid] = transfer
         self.by_request[core_request.request_id] = tid
         sampling = params.to_dict()
@@ -172,6 +188,9 @@ class DecodeConnector(Connector):
 
     def in_flight(self) -> int:
         return len(self.transfers)
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "pd_served_whole": self.served_whole}
 
     def close(self) -> None:
         for sock in list(self.peers.values()) + list(self.monitors):
@@ -228,22 +247,35 @@ class DecodeConnector(Connector):
             self._fail(transfer, f"{type(exc).__name__}: {exc}")
 
     def _write_blocks(self, transfer: _Transfer, header: dict[str, Any], payload: list) -> None:
+        """A ``kv`` batch: blocks ``[start, start + count)`` of every layer, or of one ``layer``. A
+        batch may rewrite the last block a previous one reached (a partial block, fuller now) but
+        must not leave a gap."""
         table = transfer.request.block_table
         start, count = int(header["start"]), int(header["count"])
-        if start != transfer.blocks_written or count < 1 or start + count > len(table):
-            raise ValueError(f"blocks {start}..{start + count} do not continue {transfer.blocks_written} of "
-                             f"{len(table)}")
+        layer = header.get("layer")
+        written = transfer.layers_written
+        if layer is None:
+            layers = range(len(written))
+        elif not isinstance(layer, int) or not 0 <= layer < len(written):
+            raise ValueError(f"a KV batch for layer {layer!r} of a {len(written)}-layer cache")
+        else:
+            layers = range(layer, layer + 1)
+        reached = min(written[i] for i in layers)
+        if start > reached or count < 1 or start + count > len(table):
+            raise ValueError(f"blocks {start}..{start + count} do not continue {reached} of {len(table)}")
         if header.get("protocol") != transfer.protocol:
             raise ValueError(f"batch sent over {header.get('protocol')!r}, {transfer.protocol!r} was agreed")
         transport = self.transports[transfer.protocol]
         description = header.get("transport") or {}
+        views = self.views if layer is None else self.views[layer:layer + 1]
         try:
             data = transport.receive(description, payload)
-            transport.scatter(self.views, table[start:start + count], data)
+            transport.scatter(views, table[start:start + count], data)
             del data
         finally:
             transport.release(description)
-        transfer.blocks_written += count
+        for i in layers:
+            written[i] = max(written[i], start + count)
         transfer.bytes += int(description.get("nbytes", 0))
 
     def _admit(self, transfer: _Transfer, header: dict[str, Any]) -> None:

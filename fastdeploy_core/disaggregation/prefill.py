@@ -5,16 +5,19 @@ names). A ``prefill`` message from a decode instance becomes a one-token request
 engine (id ``pd-<transfer id>``, the decode side's sampling seed, prefix caching and chunked
 prefill as configured); it is acknowledged (``accepted``) at once.
 
-After every engine step the connector sends each such request's blocks that became complete
-(every layer computed: all full blocks the step reached, and at the end the prompt's last,
-partial block) as a ``kv`` batch: gathered from this cache into the transport's buffer (a
-``/dev/shm`` file for ``shm``, a frame for ``tcp``), addressed by position in the decode side's
-block list. So while a long prompt is computed chunk by chunk, the blocks of one chunk travel
-(ZMQ's I/O thread writes them) while the next chunk computes. The overlap is per chunk, not per
-layer: the model's forward runs every layer in one call, and a finished layer's rows are not
-handed out before the step ends. When the request's one token is sampled its last blocks go,
-then ``first_token`` (the token and its logprobs); the blocks were read before this engine
-could reuse them (the scheduler's ``on_finish`` hook records the finished request's block table).
+KV blocks go layer by layer while the forward runs: the runner calls :meth:`PrefillConnector.on_layer`
+as each decoder layer has written its KV rows of the step (``ForwardMeta.after_layer``). For every
+job in the step it sends that layer of the blocks the step's tokens fall in (the last one possibly
+partial: sent again, fuller, with the next chunk) as a ``kv`` batch with ``layer`` set, gathered
+from this cache into the transport's buffer (a ``/dev/shm`` file for ``shm``, a frame for
+``tcp``) and addressed by position in the decode side's block list. ZMQ's I/O thread writes a
+layer's bytes, and the decode instance writes them into its cache, while the next layers compute.
+Blocks complete before the step (a prefix-cache hit) go whole, all layers in one batch, before
+the step's first layer is sent. A model whose forward does not report layers (the PaddleFormers
+fallback) sends whole blocks after each step instead, as the step completes them. When the
+request's one token is sampled every block has gone, then ``first_token`` follows (the token and
+its logprobs); the blocks were read before this engine could reuse them (the scheduler's
+``on_finish`` hook records the finished request's block table).
 
 An ``abort`` drops the request here; so does a decode instance that can no longer be reached
 (the ROUTER refuses to route to it).
@@ -24,10 +27,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastdeploy_core.disaggregation.channel import MAX_SKEW_S, TO_DECODE, TO_PREFILL
+from fastdeploy_core.devices.kv_transport import block_nbytes
 from fastdeploy_core.disaggregation.connector import Connector
 from fastdeploy_core.errors import KVTransferError
 from fastdeploy_core.scheduler.base import error_dict as error_payload
@@ -43,8 +47,20 @@ class _Job:
     num_prompt_tokens: int
     remote_blocks: list[int]
     protocol: str
-    sent: int = 0  # blocks sent so far
+    table: list[int] = field(default_factory=list)  # this engine's blocks of the prompt
+    sent: int = 0  # blocks sent so far, every layer, final
     seq: int = 0
+
+
+@dataclass
+class _StepSpan:
+    """A job's rows in the step being computed: blocks ``[first, stop)`` hold its new tokens."""
+
+    job: _Job
+    first: int
+    stop: int
+    complete: int  # blocks final once every layer of the step is sent
+    layers: int = 0  # layers sent so far
 
 
 class PrefillConnector(Connector):
@@ -64,7 +80,12 @@ class PrefillConnector(Connector):
         self.by_core_id: dict[str, str] = {}
         self.seen: dict[str, float] = {}  # transfer ids taken (a replayed prefill message is refused)
         self.finished_tables: dict[str, list[int]] = {}
+        self.num_layers = len(self.views)
+        self.step: Any = None  # the SchedulerOutput whose layers on_layer is sending
+        self.spans: list[_StepSpan] = []
+        self.dropped: list[str] = []  # jobs dropped during a forward, aborted after it
         engine.scheduler.on_finish = self._on_finish
+        engine.runner.layer_listener = self.on_layer
 
     def attach(self, poller: Any) -> None:
         poller.register(self.sock, self.zmq.POLLIN)
@@ -141,12 +162,53 @@ class PrefillConnector(Connector):
         self.jobs.pop(job.tid, None)
         self.by_core_id.pop(job.core_id, None)
         self.finished_tables.pop(job.core_id, None)
-        self.engine.abort_requests([job.core_id])
+        if self.step is not None:  # mid-forward: the engine aborts it once the step is done
+            self.dropped.append(job.core_id)
+        else:
+            self.engine.abort_requests([job.core_id])
+
+    # ---- while the model computes a step --------------------------------------------------------
+    def on_layer(self, step: Any, layer: int) -> None:
+        """Layer ``layer`` of ``step`` (the runner's SchedulerOutput) wrote its KV rows: send them."""
+        if step is not self.step:
+            self._plan(step)
+        for span in self.spans:
+            if span.layers != layer or span.job.tid not in self.jobs:
+                continue  # a layer missed (not reported): after_step sends the blocks whole
+            if self._send_blocks(span.job, span.job.table, span.first, span.stop, layer):
+                span.layers += 1
+
+    def _plan(self, step: Any) -> None:
+        """The jobs ``step`` computes rows of; blocks a prefix-cache hit completed go whole first."""
+        self.step, self.spans = step, []
+        bs = self.block_size
+        for row in step.requests:
+            tid = self.by_core_id.get(row.request_id)
+            job = self.jobs.get(tid) if tid is not None else None
+            if job is None or row.num_new_tokens < 1:
+                continue
+            job.table = row.block_table
+            start, end = row.num_computed_tokens, row.num_computed_tokens + row.num_new_tokens
+            first = start // bs
+            if first > job.sent and not self._send_blocks(job, job.table, job.sent, first):
+                continue
+            job.sent = max(job.sent, first)
+            complete = len(job.remote_blocks) if end >= job.num_prompt_tokens else end // bs
+            stop = min(-(-end // bs), len(job.remote_blocks))
+            self.spans.append(_StepSpan(job, first, stop, complete))
 
     # ---- after each engine step -----------------------------------------------------------------
     def after_step(self, outputs: list) -> list:
-        """Send the blocks each job completed in this step and the first tokens sampled; the
-        outputs that belong to this instance's own clients are returned."""
+        """Close the step's layer-by-layer sends, send the blocks a step completed that were not
+        sent by layer, then the first tokens sampled; the outputs that belong to this instance's
+        own clients are returned."""
+        for span in self.spans:
+            if span.layers == self.num_layers:
+                span.job.sent = max(span.job.sent, span.complete)
+        self.step, self.spans = None, []
+        if self.dropped:
+            self.engine.abort_requests(self.dropped)
+            self.dropped = []
         requests = self.engine.scheduler.requests
         for job in list(self.jobs.values()):
             table = self.finished_tables.pop(job.core_id, None)
@@ -181,16 +243,24 @@ class PrefillConnector(Connector):
             self.by_core_id.pop(job.core_id, None)
         return mine
 
-    def _send_blocks(self, job: _Job, table: list[int], start: int, end: int) -> None:
+    def _send_blocks(self, job: _Job, table: list[int], start: int, end: int, layer: int | None = None) -> bool:
+        """Send blocks ``[start, end)`` of the job's prompt: every layer (``job.sent`` moves to
+        ``end``), or one ``layer``. False when the decode instance is gone (the job dropped)."""
         transport = self.transports[job.protocol]
         count = end - start
-        buffer, handle = transport.buffer(count * self.block_bytes, job.tid)
-        transport.gather(self.views, table[start:end], buffer)
+        views = self.views if layer is None else self.views[layer:layer + 1]
+        buffer, handle = transport.buffer(count * block_nbytes(views), job.tid)
+        transport.gather(views, table[start:end], buffer)
         description, frames = transport.send(buffer, handle)
         del buffer
-        if self._send(job, {"type": "kv", "start": start, "count": count, "protocol": job.protocol,
-                            "transport": description}, frames):
+        header = {"type": "kv", "start": start, "count": count, "protocol": job.protocol, "transport": description}
+        if layer is not None:
+            header["layer"] = layer
+        if not self._send(job, header, frames):
+            return False
+        if layer is None:
             job.sent = end
+        return True
 
     def take(self) -> tuple[list, list]:
         return [], []

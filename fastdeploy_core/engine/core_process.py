@@ -213,9 +213,11 @@ def _loop(link: _CoreLink, engine: Any, scheduler: Any, parent_pid: int, stoppin
         for queued in scheduler.get_requests(engine.capacity()):
             try:
                 request = EngineCoreRequest.from_dict(queued.payload)
-                if pd is not None and request.disaggregate is not None:
+                if pd is not None and request.disaggregate is not None and pd.splits(request):
                     pd.start(request)  # a decode instance: the paired prefill instance computes the prompt
                 else:
+                    if pd is not None and request.disaggregate is not None:
+                        pd.served_whole += 1
                     engine.add_request(request)
             except Exception as exc:  # noqa: BLE001 - refused here; its client hears why
                 scheduler.fail(queued, error_payload(exc))

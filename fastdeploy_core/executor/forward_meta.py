@@ -37,6 +37,10 @@ class ForwardMeta:
     #: Device int64 copies of the host arrays, by field name (see :meth:`tensor`); a captured
     #: decode graph's meta holds static ones that the runner refreshes in place.
     tensors: dict = field(default_factory=dict)
+    #: Called with a decoder layer's index once that layer's KV cache rows of this step are
+    #: written (eager forwards of models built on ``layers/decoder.py``; None otherwise). A
+    #: prefill instance sends each layer's KV blocks from here while the next layers compute.
+    after_layer: Any = None
 
     def tensor(self, name: str):
         """``query_start_loc``, ``seq_lens`` or ``block_tables`` as an int64 paddle tensor, made

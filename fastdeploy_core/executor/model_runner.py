@@ -119,6 +119,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler()
         self.graphs = self._decode_graphs()
+        #: ``(step, layer index)``, called in eager forwards as each decoder layer's KV rows of the
+        #: step are written (see ``ForwardMeta.after_layer``); a prefill instance's KV sender.
+        self.layer_listener = None
 
     @staticmethod
     def _bfloat16_linears(quantizer):
@@ -342,6 +345,9 @@ class ModelRunner:
             hidden = graphs.run(meta)
         if hidden is None:
             meta = self.prepare_inputs(out)
+            listener = self.layer_listener
+            if listener is not None:
+                meta.after_layer = lambda index: listener(out, index)
             hidden = self.model.forward(meta, self.kv_caches)
         result = RunnerOutput([None] * len(reqs), [None] * len(reqs), self._prompt_logprobs(out, meta, hidden))
         result.spec_token_ids = [None] * len(reqs)

@@ -221,8 +221,11 @@ class DecoderModel(nn.Layer):
     def forward(self, meta: ForwardMeta, kv_caches) -> paddle.Tensor:
         hidden = self.embed_tokens(meta.input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        after_layer = meta.after_layer
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer(meta.positions, hidden, residual, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(index)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -106,6 +106,10 @@ def _disaggregation_metrics(s: dict[str, Any]):
     for name in ("completed", "failed"):
         yield CounterMetricFamily(f"fastdeploy:pd_transfers_{name}", f"Prefill/decode transfers {name} "
                                   f"({role} side)", value=float(s.get(f"pd_transfers_{name}", 0) or 0))
+    if "pd_served_whole" in s:
+        yield CounterMetricFamily("fastdeploy:pd_served_whole", "Paired requests a decode instance computed whole "
+                                  "(several choices, prompt logprobs or structured output)",
+                                  value=float(s["pd_served_whole"]))
 
 
 #: Speculative decoding (FastDeploy's names), present while --speculative-config is on.
