@@ -8,7 +8,6 @@ directly (it then computes the whole request itself, as a mixed instance does).
 from __future__ import annotations
 
 import json
-import re
 import signal
 import socket
 import threading
@@ -18,24 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.disaggregation.pd_client import AUTH, JOBS_32, all_blocks_free, complete, metric, run_job
 from tests.entrypoints.openai.conftest import API_KEY, free_port, start_server
 from tests.router.conftest import ROUTER_SECRET, start_router
 
 pytestmark = pytest.mark.slow
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SHARED = ("You are a careful assistant. The following notes describe a small town by a river, its bridges, "
           "its market on Saturdays, the school, the old mill and the people who keep the gardens. ") * 4
-PROMPTS = [
-    "Hello",
-    "The capital of France is",
-    SHARED + "Question: what is sold at the market?",
-    SHARED + "Question: who keeps the gardens?",
-    SHARED + "Question: how many bridges are there?",
-    "Write a list of three colors:",
-    ("Once upon a time, in a land far away, there lived a king who loved numbers. " * 12) + "The end of the story:",
-    SHARED * 2 + "Summarize the notes in one sentence:",
-]
 
 
 def _pd_cluster(tmp: str):
@@ -69,64 +58,26 @@ def cluster(tmp_path_factory):
             router.stop()
 
 
-def _complete(base: str, prompt: str, max_tokens: int, stream: bool, **extra) -> str:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, **extra}
-    if not stream:
-        resp = httpx.post(f"{base}/v1/completions", headers=AUTH, json=body, timeout=180)
-        assert resp.status_code == 200, resp.text
-        return resp.json()["choices"][0]["text"]
-    pieces = []
-    with httpx.stream("POST", f"{base}/v1/completions", headers=AUTH, json=body, timeout=180) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                pieces.extend(c["text"] for c in chunk["choices"])
-    return "".join(pieces)
-
-
-def _metric(server, name: str, **labels: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', line.partition(" ")[0]))
-        if line.partition("{")[0].partition(" ")[0] == name and all(found.get(k) == v for k, v in labels.items()):
-            return float(line.rpartition(" ")[2])
-    raise AssertionError(f"{name} {labels} not in {server.url}/metrics")
-
-
-def _all_blocks_free(servers, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = [(_metric(s, "fastdeploy:free_gpu_block_num"), _metric(s, "fastdeploy:max_gpu_block_num"))
-                 for s in servers]
-        if all(free == total for free, total in state):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"blocks still held (free, total) per instance: {state}")
-        time.sleep(0.2)
-
-
 def test_pd_answers_are_the_mixed_answers_and_every_block_is_freed(cluster):
+    """The 32 requests of ``pd_client.JOBS_32`` at once through the router (round robin over the
+    two decode instances), against the prefill instance serving the same requests whole."""
     router, (prefill, decode_tcp, decode_shm) = cluster
-    jobs = [(p, 6 + 3 * (i % 3), i % 2 == 1) for i, p in enumerate(PROMPTS)]
+    jobs = JOBS_32
     with ThreadPoolExecutor(len(jobs)) as pool:
-        routed = list(pool.map(lambda job: _complete(router.url, *job), jobs))
-    reference = [_complete(prefill.url, p, n, False) for p, n, _ in jobs]  # served whole there
+        routed = list(pool.map(lambda job: run_job(router.url, job), jobs))
+        reference = list(pool.map(lambda job: run_job(prefill.url, job), jobs))  # served whole there
     assert routed == reference
-    assert all(reference)
+    assert all(text for text, job in zip(reference, jobs) if job[3])
     # Each decode instance took half the requests, and its transport carried their KV.
-    tcp = _metric(decode_tcp, "fastdeploy:kv_transfer_bytes_total", protocol="tcp", direction="received")
-    shm = _metric(decode_shm, "fastdeploy:kv_transfer_bytes_total", protocol="shm", direction="received")
+    tcp = metric(decode_tcp, "fastdeploy:kv_transfer_bytes_total", protocol="tcp", direction="received")
+    shm = metric(decode_shm, "fastdeploy:kv_transfer_bytes_total", protocol="shm", direction="received")
     assert tcp > 0 and shm > 0
-    assert _metric(decode_shm, "fastdeploy:kv_transfer_bytes_total", protocol="tcp", direction="received") == 0
-    assert _metric(prefill, "fastdeploy:kv_transfer_bytes_total", protocol="tcp", direction="sent") == tcp
-    assert _metric(prefill, "fastdeploy:kv_transfer_bytes_total", protocol="shm", direction="sent") == shm
-    assert _metric(decode_tcp, "fastdeploy:pd_transfers_completed_total") == len(jobs) // 2
-    assert _metric(decode_shm, "fastdeploy:pd_transfers_completed_total") == len(jobs) // 2
-    _all_blocks_free([prefill, decode_tcp, decode_shm])
+    assert metric(decode_shm, "fastdeploy:kv_transfer_bytes_total", protocol="tcp", direction="received") == 0
+    assert metric(prefill, "fastdeploy:kv_transfer_bytes_total", protocol="tcp", direction="sent") == tcp
+    assert metric(prefill, "fastdeploy:kv_transfer_bytes_total", protocol="shm", direction="sent") == shm
+    assert metric(decode_tcp, "fastdeploy:pd_transfers_completed_total") == len(jobs) // 2
+    assert metric(decode_shm, "fastdeploy:pd_transfers_completed_total") == len(jobs) // 2
+    all_blocks_free([prefill, decode_tcp, decode_shm])
 
 
 def test_prompts_beyond_the_small_decode_cache_wait_for_room(cluster):
@@ -134,18 +85,18 @@ def test_prompts_beyond_the_small_decode_cache_wait_for_room(cluster):
     a time. Four such requests, two per decode instance, all finish with the mixed tokens."""
     router, (prefill, decode_tcp, decode_shm) = cluster
     prompts = [f"Item {i}: " + "the river runs under the old stone bridge near the mill. " * 33 for i in range(4)]
-    batches = sum(_metric(prefill, "fastdeploy:kv_transfer_batches_total", protocol=p, direction="sent")
+    batches = sum(metric(prefill, "fastdeploy:kv_transfer_batches_total", protocol=p, direction="sent")
                   for p in ("tcp", "shm"))
     with ThreadPoolExecutor(len(prompts)) as pool:
-        routed = list(pool.map(lambda p: _complete(router.url, p, 8, True), prompts))
+        routed = list(pool.map(lambda p: complete(router.url, p, 8, True), prompts))
     # ~400-token prompts in prompt steps of at most 128 tokens: each one's blocks went in several
     # batches, sent as its chunks completed.
-    after = sum(_metric(prefill, "fastdeploy:kv_transfer_batches_total", protocol=p, direction="sent")
+    after = sum(metric(prefill, "fastdeploy:kv_transfer_batches_total", protocol=p, direction="sent")
                 for p in ("tcp", "shm"))
     assert after - batches >= 3 * len(prompts)
-    reference = [_complete(prefill.url, p, 8, False) for p in prompts]
+    reference = [complete(prefill.url, p, 8, False) for p in prompts]
     assert routed == reference
-    _all_blocks_free([prefill, decode_tcp, decode_shm])
+    all_blocks_free([prefill, decode_tcp, decode_shm])
 
 
 def test_a_request_preempted_on_the_decode_side_is_recomputed_there_with_the_same_tokens(cluster):
@@ -153,14 +104,14 @@ def test_a_request_preempted_on_the_decode_side_is_recomputed_there_with_the_sam
     16 tokens between them): one is preempted and recomputed from its tokens on the decode side."""
     router, (prefill, decode_tcp, decode_shm) = cluster
     prompts = [f"Note {i}. " + "A lantern hangs by the door of the baker's house. " * 23 for i in range(4)]
-    before = _metric(decode_tcp, "fastdeploy:num_preemptions_total")
+    before = metric(decode_tcp, "fastdeploy:num_preemptions_total")
     with ThreadPoolExecutor(len(prompts)) as pool:
-        routed = list(pool.map(lambda p: _complete(router.url, p, 150, False, ignore_eos=True), prompts))
-    assert _metric(decode_tcp, "fastdeploy:num_preemptions_total") > before
+        routed = list(pool.map(lambda p: complete(router.url, p, 150, False, ignore_eos=True), prompts))
+    assert metric(decode_tcp, "fastdeploy:num_preemptions_total") > before
     with ThreadPoolExecutor(len(prompts)) as pool:  # the prefill instance's 512 blocks hold all four
-        reference = list(pool.map(lambda p: _complete(prefill.url, p, 150, False, ignore_eos=True), prompts))
+        reference = list(pool.map(lambda p: complete(prefill.url, p, 150, False, ignore_eos=True), prompts))
     assert routed == reference
-    _all_blocks_free([prefill, decode_tcp, decode_shm])
+    all_blocks_free([prefill, decode_tcp, decode_shm])
 
 
 def test_a_decode_instance_refuses_a_pairing_the_router_did_not_sign(cluster):
@@ -174,7 +125,7 @@ def test_a_decode_instance_refuses_a_pairing_the_router_did_not_sign(cluster):
     plain = httpx.post(f"{decode_tcp.url}/v1/completions", content=body, timeout=60,
                        headers={**AUTH, "Content-Type": "application/json"})
     assert plain.status_code == 200
-    assert plain.json()["choices"][0]["text"] == _complete(prefill.url, "The capital of France is", 4, False)
+    assert plain.json()["choices"][0]["text"] == complete(prefill.url, "The capital of France is", 4, False)
 
 
 def test_a_client_disconnect_frees_the_request_on_both_sides(cluster):
@@ -191,14 +142,14 @@ def test_a_client_disconnect_frees_the_request_on_both_sides(cluster):
                 if len(got) >= 3:
                     break
         assert len(got) == 3 and all("error" not in json.loads(line[6:]) for line in got), got
-    _all_blocks_free(servers)
+    all_blocks_free(servers)
 
 
 def test_a_client_gone_before_the_first_token_drops_the_request_on_the_prefill_side_too(cluster):
     """The client leaves while the prefill instance still computes a 480-token prompt: the decode
     instance aborts, tells the prefill instance, and the prefill instance drops it unfinished."""
     router, (prefill, *decodes) = cluster
-    done = _metric(prefill, "fastdeploy:pd_transfers_completed_total")
+    done = metric(prefill, "fastdeploy:pd_transfers_completed_total")
     body = {"prompt": "Seven rivers meet below the hills where the shepherds rest. " * 40, "max_tokens": 4,
             "temperature": 0, "stream": True}
     raw = json.dumps(body).encode()
@@ -206,17 +157,17 @@ def test_a_client_gone_before_the_first_token_drops_the_request_on_the_prefill_s
     client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                    + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
     deadline = time.monotonic() + 30
-    while _metric(prefill, "fastdeploy:pd_transfers_in_flight") == 0:  # the prefill instance took it
+    while metric(prefill, "fastdeploy:pd_transfers_in_flight") == 0:  # the prefill instance took it
         assert time.monotonic() < deadline, "the prefill instance never took the request"
         time.sleep(0.01)
     client.close()
     # The client is gone; the prefill instance drops the request before it finishes.
     deadline = time.monotonic() + 10
-    while _metric(prefill, "fastdeploy:pd_transfers_in_flight") != 0:
+    while metric(prefill, "fastdeploy:pd_transfers_in_flight") != 0:
         assert time.monotonic() < deadline, "the prefill instance kept the request"
         time.sleep(0.05)
-    assert _metric(prefill, "fastdeploy:pd_transfers_completed_total") == done
-    _all_blocks_free([prefill, *decodes])
+    assert metric(prefill, "fastdeploy:pd_transfers_completed_total") == done
+    all_blocks_free([prefill, *decodes])
 
 
 def test_a_decode_instance_killed_mid_stream_ends_the_stream_with_an_error_in_2_s(cluster):
@@ -233,13 +184,13 @@ def test_a_decode_instance_killed_mid_stream_ends_the_stream_with_an_error_in_2_
                     events.append((time.monotonic(), line[6:]))
                     first.set()
 
-    before = {s.port: _metric(s, "fastdeploy:num_requests_running") for s in (decode_tcp, decode_shm)}
+    before = {s.port: metric(s, "fastdeploy:num_requests_running") for s in (decode_tcp, decode_shm)}
     del before
     thread = threading.Thread(target=reader, daemon=True)
     thread.start()
     assert first.wait(60), "no token arrived"
     # The stream's decode instance is the one running a request now.
-    running = [s for s in (decode_tcp, decode_shm) if _metric(s, "fastdeploy:num_requests_running") > 0]
+    running = [s for s in (decode_tcp, decode_shm) if metric(s, "fastdeploy:num_requests_running") > 0]
     assert len(running) == 1
     victim = running[0]
     killed = time.monotonic()
@@ -251,5 +202,5 @@ def test_a_decode_instance_killed_mid_stream_ends_the_stream_with_an_error_in_2_
     assert last_time - killed < 2.0
     # The survivor serves the next requests; the prefill instance holds nothing for the dead one.
     survivor = decode_shm if victim is decode_tcp else decode_tcp
-    assert _complete(router.url, "The capital of France is", 4, False)
-    _all_blocks_free([prefill, survivor])
+    assert complete(router.url, "The capital of France is", 4, False)
+    all_blocks_free([prefill, survivor])
