@@ -248,8 +248,8 @@ class DecodeConnector(Connector):
 
     def _write_blocks(self, transfer: _Transfer, header: dict[str, Any], payload: list) -> None:
         """A ``kv`` batch: blocks ``[start, start + count)`` of every layer, or of one ``layer``. A
-        batch may rewrite the last block a previous one reached (a partial block, fuller now) but
-        must not leave a gap."""
+        batch may cover blocks written already (a prompt the prefill side recomputes after a
+        preemption there is sent again) but must not leave a gap."""
         table = transfer.request.block_table
         start, count = int(header["start"]), int(header["count"])
         layer = header.get("layer")

@@ -7,8 +7,9 @@ prefill as configured); it is acknowledged (``accepted``) at once.
 
 KV blocks go layer by layer while the forward runs: the runner calls :meth:`PrefillConnector.on_layer`
 as each decoder layer has written its KV rows of the step (``ForwardMeta.after_layer``). For every
-job in the step it sends that layer of the blocks the step's tokens fall in (the last one possibly
-partial: sent again, fuller, with the next chunk) as a ``kv`` batch with ``layer`` set, gathered
+job in the step it sends that layer of the blocks the step completes (a block a chunk leaves
+partial goes with the chunk that fills it; the prompt's last block with its last chunk) as a
+``kv`` batch with ``layer`` set, gathered
 from this cache into the transport's buffer (a ``/dev/shm`` file for ``shm``, a frame for
 ``tcp``) and addressed by position in the decode side's block list. ZMQ's I/O thread writes a
 layer's bytes, and the decode instance writes them into its cache, while the next layers compute.
@@ -54,12 +55,11 @@ class _Job:
 
 @dataclass
 class _StepSpan:
-    """A job's rows in the step being computed: blocks ``[first, stop)`` hold its new tokens."""
+    """A job's blocks ``[first, stop)`` that the step being computed completes (sent by layer)."""
 
     job: _Job
     first: int
     stop: int
-    complete: int  # blocks final once every layer of the step is sent
     layers: int = 0  # layers sent so far
 
 
@@ -193,9 +193,11 @@ class PrefillConnector(Connector):
             if first > job.sent and not self._send_blocks(job, job.table, job.sent, first):
                 continue
             job.sent = max(job.sent, first)
-            complete = len(job.remote_blocks) if end >= job.num_prompt_tokens else end // bs
-            stop = min(-(-end // bs), len(job.remote_blocks))
-            self.spans.append(_StepSpan(job, first, stop, complete))
+            # The blocks the step fills (the prompt's last one, partial, with its last chunk); a
+            # block the step leaves partial goes with the step that fills it.
+            stop = len(job.remote_blocks) if end >= job.num_prompt_tokens else end // bs
+            if stop > first:
+                self.spans.append(_StepSpan(job, first, stop))
 
     # ---- after each engine step -----------------------------------------------------------------
     def after_step(self, outputs: list) -> list:
@@ -204,7 +206,7 @@ class PrefillConnector(Connector):
         own clients are returned."""
         for span in self.spans:
             if span.layers == self.num_layers:
-                span.job.sent = max(span.job.sent, span.complete)
+                span.job.sent = max(span.job.sent, span.stop)
         self.step, self.spans = None, []
         if self.dropped:
             self.engine.abort_requests(self.dropped)

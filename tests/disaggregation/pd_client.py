@@ -3,13 +3,17 @@ instance's /metrics values, and the wait for every KV block to be free again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.entrypoints.openai.conftest import API_KEY
+from tests.entrypoints.openai.conftest import API_KEY, start_server
+from tests.router.conftest import ROUTER_SECRET, start_router
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -30,6 +34,28 @@ PROMPTS_32 = [p + q for p in _PREFIXES for q in _QUESTIONS] + _OTHERS
 #: Per prompt of PROMPTS_32: (prompt, max_tokens, stream, ignore_eos): varied budgets, half of
 #: them streamed, every fourth one past EOS (so its answer is not empty).
 JOBS_32 = [(p, 4 + (i * 5) % 11, i % 2 == 1, i % 4 == 0) for i, p in enumerate(PROMPTS_32)]
+
+
+@contextlib.contextmanager
+def cluster(tmp: str, router_args: tuple, specs: list[tuple], unrouted: int = 0, **counts: int) -> Iterator:
+    """A ``--splitwise`` router (``router_args`` added) with an instance per spec of ``specs``
+    registered with it (started at once), plus ``unrouted`` instances it does not know (mixed
+    references); yields ``(router, instances)`` once the router counts ``counts`` (role=number),
+    and stops everything after."""
+    router, servers = None, []
+    try:
+        router = start_router(tmp, "--splitwise", *router_args)
+        common = ("--router", f"127.0.0.1:{router.port}", "--router-secret", ROUTER_SECRET)
+        every = [(*spec, *common) for spec in specs] + [()] * unrouted
+        with ThreadPoolExecutor(len(every)) as pool:
+            servers = list(pool.map(lambda spec: start_server(tmp, *spec), every))
+        router.wait_for(timeout=60, **counts)
+        yield router, servers
+    finally:
+        for srv in servers:
+            srv.stop()
+        if router is not None:
+            router.stop()
 
 
 def complete(base: str, prompt: str, max_tokens: int, stream: bool, **extra) -> str:

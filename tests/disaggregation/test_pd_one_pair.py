@@ -15,9 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.disaggregation.pd_client import AUTH, JOBS_32, all_blocks_free, complete, metric, run_job
-from tests.entrypoints.openai.conftest import free_port, start_server
-from tests.router.conftest import ROUTER_SECRET, start_router
+from tests.disaggregation.pd_client import AUTH, JOBS_32, all_blocks_free, cluster, complete, metric, run_job
+from tests.entrypoints.openai.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -32,26 +31,15 @@ def _batches(server, direction: str = "sent") -> float:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("pd1"))
-    router, servers = None, []
-    try:
-        router = start_router(tmp, "--splitwise", "--instance-ttl-secs", "3")
-        common = ("--router", f"127.0.0.1:{router.port}", "--router-secret", ROUTER_SECRET)
-        specs = [
-            ("--splitwise-role", "prefill", "--pd-comm-port", str(free_port()), "--cache-transfer-protocol",
-             "shm,tcp", "--max-num-batched-tokens", "128", *common),
-            ("--splitwise-role", "decode", "--cache-transfer-protocol", "shm", *common),
-            (),  # the mixed reference
-        ]
-        with ThreadPoolExecutor(len(specs)) as pool:
-            servers = list(pool.map(lambda spec: start_server(tmp, *spec), specs))
-        router.wait_for(timeout=60, prefill=1, decode=1)
-        yield router, servers
-    finally:
-        for srv in servers:
-            srv.stop()
-        if router is not None:
-            router.stop()
+    specs = [
+        ("--splitwise-role", "prefill", "--pd-comm-port", str(free_port()), "--cache-transfer-protocol", "shm,tcp",
+         "--max-num-batched-tokens", "128"),
+        ("--splitwise-role", "decode", "--cache-transfer-protocol", "shm"),
+    ]
+    # The third instance is the mixed reference.
+    with cluster(str(tmp_path_factory.mktemp("pd1")), ("--instance-ttl-secs", "3"), specs, unrouted=1,
+                 prefill=1, decode=1) as running:
+        yield running
 
 
 def test_32_requests_through_one_pair_give_the_mixed_tokens_and_free_every_block(pair):

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from tests.disaggregation.pd_client import AUTH, JOBS_32, all_blocks_free, complete, metric, run_job
-from tests.entrypoints.openai.conftest import API_KEY, free_port, start_server
-from tests.router.conftest import ROUTER_SECRET, start_router
+from tests.disaggregation.pd_client import cluster as pd_cluster
+from tests.entrypoints.openai.conftest import API_KEY, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -27,35 +27,18 @@ SHARED = ("You are a careful assistant. The following notes describe a small tow
           "its market on Saturdays, the school, the old mill and the people who keep the gardens. ") * 4
 
 
-def _pd_cluster(tmp: str):
-    router = start_router(tmp, "--splitwise", "--decode-policy", "round_robin")
-    pd_port = free_port()
-    common = ("--router", f"127.0.0.1:{router.port}", "--router-secret", ROUTER_SECRET)
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
     specs = [
         # Prompt steps of at most 128 tokens: a long prompt's blocks go in several batches, chunk by chunk.
-        ("--splitwise-role", "prefill", "--pd-comm-port", str(pd_port), "--cache-transfer-protocol", "shm,tcp",
+        ("--splitwise-role", "prefill", "--pd-comm-port", str(free_port()), "--cache-transfer-protocol", "shm,tcp",
          "--max-num-batched-tokens", "128"),
         ("--splitwise-role", "decode", "--cache-transfer-protocol", "tcp", "--num-gpu-blocks-override", "40"),
         ("--splitwise-role", "decode", "--cache-transfer-protocol", "shm,tcp"),
     ]
-    with ThreadPoolExecutor(len(specs)) as pool:
-        started = list(pool.map(lambda spec: start_server(tmp, *spec, *common), specs))
-    return router, started
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("pd"))
-    router, servers = None, []
-    try:
-        router, servers = _pd_cluster(tmp)
-        router.wait_for(timeout=60, prefill=1, decode=2)
-        yield router, servers
-    finally:
-        for srv in servers:
-            srv.stop()
-        if router is not None:
-            router.stop()
+    with pd_cluster(str(tmp_path_factory.mktemp("pd")), ("--decode-policy", "round_robin"), specs,
+                    prefill=1, decode=2) as running:
+        yield running
 
 
 def test_pd_answers_are_the_mixed_answers_and_every_block_is_freed(cluster):
