@@ -207,10 +207,11 @@ def test_health_answers_while_huge_requests_are_refused(server):
     # a frozen loop shows as many (before, /health took 29 s during one such request)
     slow = [x for x in latencies if x > bar]
     # Parsing a 4 MB body in a worker thread still holds the GIL for one C call (tens of ms on an
-    # idle core, a few hundred on a busy one): a few probes may wait that long, none may wait
-    # for the whole request (the frozen loop this guards against held /health for 3.5-29 s).
+    # idle core, up to about a second on a loaded one): a few probes may wait that long, none may
+    # wait for the whole request (the frozen loop this guards against held /health for 3.5-29 s).
     assert len(slow) <= max(2, len(latencies) // 5), (sorted(latencies)[-5:], elapsed, bar)
-    assert max(latencies) < 1.0, (sorted(latencies)[-5:], elapsed)
+    # none waits anywhere near the frozen loop's 3.5 s (a loaded CI machine delayed one probe 1.2 s)
+    assert max(latencies) < 2.5, (sorted(latencies)[-5:], elapsed)
 
 
 def _open_stream(server, path="/v1/completions"):
