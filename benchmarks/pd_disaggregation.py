@@ -254,7 +254,7 @@ def main() -> None:
         "serving": phases,
         "transports": transports,
         "notes": "2 cores shared by every process of a phase: the PD phases run two engines on the cores one mixed "
-                 "engine has alone. Transfer overlaps compute per prompt chunk, not per layer.",
+                 "engine has alone. The prefill instance sends each layer's KV blocks as its forward writes them.",
     }
     os.makedirs(os.path.dirname(opts.out), exist_ok=True)
     with open(opts.out, "w", encoding="utf-8") as fh:
