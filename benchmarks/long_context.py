@@ -193,6 +193,8 @@ def main(argv=None) -> int:
     parser.add_argument("lengths", nargs="*", type=int, default=list(LENGTHS))
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded default model)")
     parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--dtype", default="auto", help="the engine's --dtype (bfloat16: bf16 linear layers)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
     parser.add_argument("--profile", action="store_true", help="CPU time per op group during the prefill")
     parser.add_argument("--warmup", type=int, default=256, help="prompt tokens of one untimed warm-up request")
     parser.add_argument("--out", default=None, help="write the rows and the run stamp here (JSON)")
@@ -219,6 +221,8 @@ def main(argv=None) -> int:
         model=args.model,
         max_model_len=max(longest, args.warmup + args.decode_tokens + 1),
         enable_prefix_caching=False,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_gpu_blocks_override=longest // 16 + 8,  # the longest request at any block size >= 16
     )
     stamp = run_stamp()
@@ -232,7 +236,8 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump({"stamp": stamp, "threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows}, fh, indent=1)
+            json.dump({"stamp": stamp, "threads": os.environ.get("OMP_NUM_THREADS"), "dtype": args.dtype,
+                       "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}, fh, indent=1)
     return 0
 
 

@@ -24,13 +24,33 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: CPU flags that decide which matrix/vector paths the kernels (ours and the peers') can take.
+MATRIX_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                "amx_int8")
+
+
+def matrix_features() -> list[str]:
+    """The :data:`MATRIX_FLAGS` this CPU has (from ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [f for f in MATRIX_FLAGS if f in flags]
+    except OSError:
+        pass
+    return []
+
+
 def run_stamp() -> dict[str, object]:
-    """``date`` (UTC, to the minute), ``cpu_model`` and ``cpus`` (usable by this process)."""
+    """``date`` (UTC, to the minute), ``cpu_model``, ``cpus`` (usable by this process), the CPU's
+    ``matrix_features`` and the ``load_average`` (1, 5, 15 min) when stamped."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 0
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_model": cpu_model(), "cpus": cpus}
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_model": cpu_model(), "cpus": cpus,
+            "matrix_features": matrix_features(), "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
 if __name__ == "__main__":

