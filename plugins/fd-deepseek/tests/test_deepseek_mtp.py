@@ -256,6 +256,10 @@ def test_an_agreeing_mtp_layer_has_every_draft_accepted(agreeing):
     rows = core.scheduler.num_speculative_rows
     assert stats["spec_decode_mean_accepted_length"] == pytest.approx((accepted + rows) / rows)
     assert stats["spec_decode_mean_accepted_length"] > 2.5  # up to 3 drafts + the target's token per step
+    from fastdeploy_core.entrypoints.openai.metrics import ServerMetrics
+
+    text = ServerMetrics(core.get_stats).render().decode()
+    assert f'fastdeploy:spec_decode_num_accepted_tokens_total{{method="mtp"}} {float(accepted)}' in text
 
 
 def test_acceptance_counters_are_consistent_with_a_random_layer(with_mtp):
