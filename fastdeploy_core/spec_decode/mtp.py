@@ -37,6 +37,10 @@ position is past 0 (a prefix-cache hit, a decode instance's prompt computed else
 its MTP rows there: the cached blocks' MTP rows are whatever the request that computed them
 left (the same tokens give the same rows, except the last row before the hit, which also read
 the next token), which may lower acceptance but never changes the output.
+
+The hidden states of a request that is not asked for drafts for a while (a grammar-constrained
+one, steps above ``disable_by_batch_size``) are held until it is (``[positions, H]`` floats) or
+until :meth:`forget`.
 """
 
 from __future__ import annotations

@@ -198,8 +198,9 @@ def _batch() -> list:
         {"max_num_batched_tokens": 5},  # chunked prompts; the MTP layer catches up in chunks as well
         {"num_gpu_blocks_override": 20, "max_num_seqs": 5},  # too few blocks: requests are preempted
         {"enable_prefix_caching": False},
+        {"kv_cache_dtype": "int8"},  # the MTP cache is quantized like the target's
     ],
-    ids=["plain", "chunked", "preempted", "no_prefix_cache"],
+    ids=["plain", "chunked", "preempted", "no_prefix_cache", "int8_cache"],
 )
 def test_mtp_tokens_equal_no_speculation(with_mtp, settings):
     path = with_mtp[0]
@@ -212,6 +213,10 @@ def test_mtp_tokens_equal_no_speculation(with_mtp, settings):
     assert stats["spec_decode_num_draft_tokens_total"] > 0, stats
     if "num_gpu_blocks_override" in settings:
         assert core.scheduler.num_preemptions > 0
+    if "kv_cache_dtype" in settings:
+        from fastdeploy_core.quantization.kv_cache import QuantizedKVCache
+
+        assert isinstance(core.runner.mtp_kv_caches()[0][0], QuantizedKVCache)
 
 
 def test_mtp_tokens_equal_on_prefix_cache_hits(with_mtp):
