@@ -216,6 +216,10 @@ class EngineCore:
         from fastdeploy_core.executor.tensor_parallel import TensorParallelRunner
 
         self.args = args
+        if args.speculative.enabled:  # an unknown method or settings it cannot run with: refused before loading
+            from fastdeploy_core.spec_decode import proposer_class
+
+            proposer_class(args.speculative, plugin_manager, args)
         runner_cls = TensorParallelRunner if args.parallel.tensor_parallel_size > 1 else ModelRunner
         self.runner = runner_cls(args, plugin_manager)
         self.model_source = self.runner.source

@@ -26,8 +26,9 @@ UNPROVIDED_FASTDEPLOY_METHODS = {
 }
 
 
-def proposer_class(config: SpeculativeConfig, manager=None) -> type[Proposer]:
-    """The class registered as ``config.method``, its settings checked; ConfigError otherwise."""
+def proposer_class(config: SpeculativeConfig, manager=None, args: EngineArgs | None = None) -> type[Proposer]:
+    """The class registered as ``config.method``, its settings checked (and the engine's
+    settings, ``args``, when given: :meth:`Proposer.check_engine`); ConfigError otherwise."""
     manager = manager or get_plugin_manager()
     cls = registered_subclass(
         manager.proposers, config.method, Proposer, param="speculative_config.method",
@@ -35,6 +36,8 @@ def proposer_class(config: SpeculativeConfig, manager=None) -> type[Proposer]:
         unprovided=UNPROVIDED_FASTDEPLOY_METHODS, listed="methods",
     )
     cls.check_config(config)
+    if args is not None:
+        cls.check_engine(args)
     return cls
 
 
@@ -51,5 +54,5 @@ def build_proposer(
     :class:`ProposerContext`)."""
     if not args.speculative.enabled:
         return None
-    cls = proposer_class(args.speculative, manager)
+    cls = proposer_class(args.speculative, manager, args)
     return cls(args.speculative, ProposerContext(args, vocab_size, max_model_len, num_blocks, manager, runner))

@@ -91,6 +91,11 @@ class Proposer(ABC):
                 param=f"speculative_config.{ignored[0]}",
             )
 
+    @classmethod
+    def check_engine(cls, args: EngineArgs) -> None:
+        """Refuse engine settings the method cannot run with (ConfigError naming the setting);
+        called before the target model loads. Nothing by default."""
+
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         """Draft tokens for each request, in order: at most ``max_tokens`` each, ``[]`` for none."""

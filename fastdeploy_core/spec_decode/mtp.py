@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import paddle
 
-from fastdeploy_core.config import SpeculativeConfig
+from fastdeploy_core.config import EngineArgs, SpeculativeConfig
 from fastdeploy_core.errors import ConfigError
 from fastdeploy_core.executor.forward_meta import ForwardMeta
 from fastdeploy_core.spec_decode.base import DraftRequest, Proposer, ProposerContext
@@ -144,15 +144,18 @@ class MtpProposer(Proposer):
                 param="speculative_config.num_model_steps",
             )
 
-    def __init__(self, config: SpeculativeConfig, context: ProposerContext):
-        super().__init__(config, context)
-        if context.engine_args.parallel.tensor_parallel_size > 1:
+    @classmethod
+    def check_engine(cls, args: EngineArgs) -> None:
+        size = args.parallel.tensor_parallel_size
+        if size > 1:
             raise ConfigError(
                 f"tensor_parallel_size: method 'mtp' runs the MTP layer in the engine's process, which holds no "
-                f"weights under tensor parallelism ({context.engine_args.parallel.tensor_parallel_size} ranks); use "
-                "--tensor-parallel-size 1, or method 'ngram'",
+                f"weights under tensor parallelism ({size} ranks); use --tensor-parallel-size 1, or method 'ngram'",
                 param="tensor_parallel_size",
             )
+
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext):
+        super().__init__(config, context)
         runner = context.runner
         if runner is None:
             raise ConfigError(

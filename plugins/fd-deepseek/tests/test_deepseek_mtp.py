@@ -306,6 +306,12 @@ def test_settings_mtp_cannot_honour_are_refused(with_mtp, spec, param):
     assert err.value.param == param, err.value
 
 
+def test_tensor_parallelism_is_refused_before_loading(with_mtp):
+    with pytest.raises(ConfigError, match="under tensor parallelism") as err:
+        _core(with_mtp[0], MTP, tensor_parallel_size=2)
+    assert err.value.param == "tensor_parallel_size"
+
+
 def test_matching_num_model_steps_is_accepted(with_mtp):
     core = _core(with_mtp[0], {**MTP, "num_model_steps": 3})
     assert core.config_info()["speculative_config"]["num_model_steps"] == 3
