@@ -163,9 +163,11 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         """MTP layer ``index`` over the rows of ``meta`` -> its hidden state ``[T, H]``
         (:meth:`compute_logits` gives the draft's logits; the hidden state chains into the next
         guess). ``meta.input_ids[t]`` is the token at position ``p + 1`` and ``previous_hidden[t]``
-        the hidden state the target (or this layer, chaining) gave at position ``p``; ``meta``'s
-        positions are the tokens' own (``p + 1``), its slots those of ``kv_caches[index]``
-        (the MTP cache of :meth:`mtp_kv_cache_layout`)."""
+        the hidden state the target (or this layer, chaining) gave at position ``p``;
+        ``meta.positions`` are the tokens' own (``p + 1``: the rotary position, as in
+        transformers' ``MtpLayer``), while its slots, sequence lengths and block tables address
+        the MTP cache ``kv_caches[index]`` (of :meth:`mtp_kv_cache_layout`) by row ``p``, so a
+        sequence's rows start at 0."""
         embeds = self.model.embed_tokens(meta.input_ids)
         return self.mtp_layers[index].predict(meta, embeds, previous_hidden, kv_caches[index])
 
