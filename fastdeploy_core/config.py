@@ -201,7 +201,7 @@ class SpeculativeConfig(_Section):
     """Speculative decoding: FastDeploy's ``--speculative-config`` JSON keys.
 
     ``method`` names a proposer registered through the ``register_proposers`` hook (the core
-    registers ``ngram`` and ``draft_model``); it is looked up when the engine starts, like
+    registers ``ngram``, ``draft_model`` and ``mtp``); it is looked up when the engine starts, like
     ``--scheduler-name``, so a plugin's proposer is configured the same way. ``None`` (the
     default) decodes one token per step. A key the chosen method does not read (``model`` for
     ``ngram``) is refused when the engine starts (``Proposer.reads``); the other keys of
@@ -209,7 +209,9 @@ class SpeculativeConfig(_Section):
     settings here.
     """
 
-    method: str | None = Field(None, min_length=1, description="registered proposer name, ngram or draft_model")
+    method: str | None = Field(
+        None, min_length=1, description="registered proposer name: ngram, draft_model or mtp (or a plugin's)"
+    )
     num_speculative_tokens: int = Field(
         1, ge=1, le=8, description="draft tokens proposed per step for each speculating request"
     )
@@ -226,6 +228,10 @@ class SpeculativeConfig(_Section):
     )
     quantization: str | None = Field(
         None, description='draft_model: how the draft\'s weights are quantized (e.g. "wint4", "wint8"); None: as stored'
+    )
+    num_model_steps: int | None = Field(
+        None, ge=1, le=8, description="mtp (FastDeploy's key): MTP steps run per proposal; the one MTP layer is "
+        "chained once per draft token, so it must equal num_speculative_tokens; None: num_speculative_tokens",
     )
 
     @model_validator(mode="after")

@@ -48,6 +48,7 @@ def register_schedulers(register):
 BUILTIN_PROPOSERS: dict[str, str] = {
     "ngram": "fastdeploy_core.spec_decode.ngram:NgramProposer",
     "draft_model": "fastdeploy_core.spec_decode.draft_model:DraftModelProposer",
+    "mtp": "fastdeploy_core.spec_decode.mtp:MtpProposer",
 }
 
 

@@ -60,7 +60,8 @@ def build_configs(preset: dict[str, Any], flags: dict[str, Any]):
     if engine.speculative.enabled:
         from fastdeploy_core.spec_decode import proposer_class
 
-        proposer_class(engine.speculative)  # likewise an unknown speculative method, or a key it does not read
+        # likewise an unknown speculative method, a key it does not read, or settings it cannot run with
+        proposer_class(engine.speculative, args=engine)
     from fastdeploy_core.entrypoints.openai.reasoning_parsers import reasoning_parser_class
     from fastdeploy_core.entrypoints.openai.tool_parsers import load_tool_parser_plugin, tool_parser_class
     from fastdeploy_core.guided.registry import guided_backend_class

@@ -216,6 +216,10 @@ class EngineCore:
         from fastdeploy_core.executor.tensor_parallel import TensorParallelRunner
 
         self.args = args
+        if args.speculative.enabled:  # an unknown method or settings it cannot run with: refused before loading
+            from fastdeploy_core.spec_decode import proposer_class
+
+            proposer_class(args.speculative, plugin_manager, args)
         runner_cls = TensorParallelRunner if args.parallel.tensor_parallel_size > 1 else ModelRunner
         self.runner = runner_cls(args, plugin_manager)
         self.model_source = self.runner.source
@@ -243,7 +247,8 @@ class EngineCore:
         from fastdeploy_core.spec_decode import build_proposer
 
         self.proposer = build_proposer(
-            args, self.vocab_size, self.max_model_len, plugin_manager, num_blocks=self.runner.num_blocks
+            args, self.vocab_size, self.max_model_len, plugin_manager, num_blocks=self.runner.num_blocks,
+            runner=self.runner,
         )
         self._seed_sequence = np.random.SeedSequence(args.model.seed)
         self._choices: dict[str, list[str]] = {}  # request id -> core ids of its choices
@@ -440,7 +445,12 @@ class EngineCore:
             self._add_drafts(batch)
         started = time.perf_counter()
         masks = guided_steps.bitmasks(self.guided, batch) if self.guided is not None else None
-        result = self.runner.execute_model(batch.runner_input(masks))
+        step_input = batch.runner_input(masks)
+        if self.proposer is not None:
+            step_input.return_hidden_states = self.proposer.wants_hidden_states
+        result = self.runner.execute_model(step_input)
+        if self.proposer is not None:
+            self.proposer.observe(step_input, result)
         if self.prompt_sizer is not None:
             # Both in the cap's units (chunk cost): a step the cap filled counts as measured.
             weight = self.scheduler.attention_key_weight
@@ -506,7 +516,7 @@ class EngineCore:
         asks = []
         for index, most in candidates:
             req = batch.scheduled[index][0]
-            asks.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, most))
+            asks.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, most, req.block_table))
         drafts = self.proposer.propose(asks)
         self.scheduler.add_drafts(
             batch, {index: tokens[:most] for (index, most), tokens in zip(candidates, drafts) if tokens}

@@ -117,6 +117,8 @@ class ModelRunner:
         self.max_num_batched_tokens = default_max_num_batched_tokens(args, self.max_model_len)
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        #: The model's MTP layers' cache (:meth:`mtp_kv_caches`), made when first asked for.
+        self._mtp_kv_caches: list[tuple] | None = None
         self.sampler = Sampler()
         self.graphs = self._decode_graphs()
         #: ``(step, layer index)``, called in eager forwards as each decoder layer's KV rows of the
@@ -163,6 +165,9 @@ class ModelRunner:
         self.kv_caches = []
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv_cache(num_blocks)
+        if self._mtp_kv_caches is not None:
+            self._mtp_kv_caches = None
+            self._mtp_kv_caches = self._allocate_kv_cache(num_blocks, self.model.mtp_kv_cache_layout())
         self.graphs = self._decode_graphs()
 
     def close(self) -> None:
@@ -173,6 +178,7 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
         self.kv_caches = []
+        self._mtp_kv_caches = None
         self.model = None
 
     def _resolve_model_class(self, pm):
@@ -285,9 +291,21 @@ class ModelRunner:
         self.kv_cache_rule = how
         return int(num_blocks)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple]:
-        """Per layer, the cache tensors of the model's declared layout (``(k, v)`` or ``(latent,)``)."""
-        layout = self.kv_layout
+    def mtp_kv_caches(self) -> list[tuple]:
+        """The cache of the model's multi-token-prediction layers (``mtp_kv_cache_layout()``),
+        allocated on first use with as many blocks as the target's and addressed by the same
+        block ids: a request's MTP rows live in the blocks the engine's block manager gave it, so
+        they are freed, preempted and prefix-cached with its target rows. The ``mtp`` proposer
+        asks for it; the budget of :meth:`_determine_num_blocks` counts the target's layers only
+        (the MTP layers add ``num_mtp_layers / num_layers`` of it, e.g. 1/61 for DeepSeek-V3)."""
+        if self._mtp_kv_caches is None:
+            self._mtp_kv_caches = self._allocate_kv_cache(self.num_blocks, self.model.mtp_kv_cache_layout())
+        return self._mtp_kv_caches
+
+    def _allocate_kv_cache(self, num_blocks: int, layout: KVCacheLayout | None = None) -> list[tuple]:
+        """Per layer, the cache tensors of the model's declared layout (``(k, v)`` or ``(latent,)``),
+        or of ``layout``."""
+        layout = layout or self.kv_layout
         if self.kv_quantizer is not None:
             return self.kv_quantizer.allocate_layout(layout, num_blocks, self.block_size, zeros=self.device_cls.zeros)
         return layout.allocate(num_blocks, self.block_size, self.device_cls.zeros)
@@ -352,6 +370,11 @@ class ModelRunner:
         result = RunnerOutput([None] * len(reqs), [None] * len(reqs), self._prompt_logprobs(out, meta, hidden))
         result.spec_token_ids = [None] * len(reqs)
         result.spec_logprobs = [None] * len(reqs)
+        if out.return_hidden_states:
+            # A copy: a captured graph's output buffer is written over by its next replay.
+            rows = hidden.clone()
+            starts = meta.query_start_loc
+            result.hidden_states = [rows[int(starts[i]) : int(starts[i + 1])] for i in range(len(reqs))]
         self._verify_drafts(out, meta, hidden, result)
 
         sample_rows = [i for i, r in enumerate(reqs) if r.samples and not r.draft_token_ids]

@@ -109,6 +109,9 @@ class SchedulerOutput:
     """What the scheduler decided for one step, in batch order."""
 
     requests: list[ScheduledRequest] = field(default_factory=list)
+    #: Return the target's last hidden states of every computed row
+    #: (:attr:`RunnerOutput.hidden_states`): a proposer drafting from them (``mtp``) asks.
+    return_hidden_states: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -138,3 +141,9 @@ class RunnerOutput:
     #: For rows with draft tokens whose request asked for logprobs: one entry per token of
     #: ``spec_token_ids`` (``logprobs`` holds the first); None for the other rows.
     spec_logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
+    #: When the step asked (:attr:`SchedulerOutput.return_hidden_states`): per row, the model's
+    #: output hidden states (after the final norm, before the LM head) of the row's query tokens,
+    #: a ``[num_new_tokens, H]`` device tensor for positions ``num_computed_tokens ...`` (the
+    #: rows after a rejected draft are computed from that draft: the reader drops them). Empty
+    #: otherwise.
+    hidden_states: list[Any] = field(default_factory=list)

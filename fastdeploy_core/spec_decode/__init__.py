@@ -1,5 +1,5 @@
 """Speculative decoding: proposers (the contract in :mod:`.base`, ``ngram`` in :mod:`.ngram`,
-``draft_model`` in :mod:`.draft_model`).
+``draft_model`` in :mod:`.draft_model`, ``mtp`` in :mod:`.mtp`).
 
 A proposer guesses the next tokens of decoding requests; the engine's scheduler makes room
 for them in the step (:meth:`fastdeploy_core.engine.scheduler.Scheduler.add_drafts`), the
@@ -21,14 +21,14 @@ __all__ = ["DraftRequest", "Proposer", "ProposerContext", "build_proposer", "pro
 
 #: FastDeploy methods that no package provides here, and why.
 UNPROVIDED_FASTDEPLOY_METHODS = {
-    "mtp": "multi-token-prediction layers are not implemented here yet",
     "suffix": "suffix decoding is not implemented here",
     "naive": "FastDeploy's no-draft code path has no use here (leave speculative_config out)",
 }
 
 
-def proposer_class(config: SpeculativeConfig, manager=None) -> type[Proposer]:
-    """The class registered as ``config.method``, its settings checked; ConfigError otherwise."""
+def proposer_class(config: SpeculativeConfig, manager=None, args: EngineArgs | None = None) -> type[Proposer]:
+    """The class registered as ``config.method``, its settings checked (and the engine's
+    settings, ``args``, when given: :meth:`Proposer.check_engine`); ConfigError otherwise."""
     manager = manager or get_plugin_manager()
     cls = registered_subclass(
         manager.proposers, config.method, Proposer, param="speculative_config.method",
@@ -36,15 +36,23 @@ def proposer_class(config: SpeculativeConfig, manager=None) -> type[Proposer]:
         unprovided=UNPROVIDED_FASTDEPLOY_METHODS, listed="methods",
     )
     cls.check_config(config)
+    if args is not None:
+        cls.check_engine(args)
     return cls
 
 
 def build_proposer(
-    args: EngineArgs, vocab_size: int, max_model_len: int, manager=None, num_blocks: int | None = None
+    args: EngineArgs,
+    vocab_size: int,
+    max_model_len: int,
+    manager=None,
+    num_blocks: int | None = None,
+    runner=None,
 ) -> Proposer | None:
     """The proposer ``args.speculative`` asks for, or None when speculative decoding is off.
-    ``num_blocks``: the target's KV cache blocks (see :class:`ProposerContext`)."""
+    ``num_blocks``, ``runner``: the target's KV cache blocks and model runner (see
+    :class:`ProposerContext`)."""
     if not args.speculative.enabled:
         return None
-    cls = proposer_class(args.speculative, manager)
-    return cls(args.speculative, ProposerContext(args, vocab_size, max_model_len, num_blocks, manager))
+    cls = proposer_class(args.speculative, manager, args)
+    return cls(args.speculative, ProposerContext(args, vocab_size, max_model_len, num_blocks, manager, runner))

@@ -14,7 +14,7 @@ Proposers are registered through the ``register_proposers`` hook (the core's own
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from fastdeploy_core.config import EngineArgs, SpeculativeConfig
@@ -31,6 +31,10 @@ class DraftRequest:
     num_prompt_tokens: int
     #: Propose at most this many (the speculative budget, clipped to the request's length limit).
     max_tokens: int
+    #: The request's KV block ids in the target's cache, in position order (the engine's list:
+    #: read it, never keep or change it); blocks exist for the positions up to the request's
+    #: last token. A proposer whose cache shares the target's block ids (``mtp``) writes there.
+    block_table: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -46,6 +50,9 @@ class ProposerContext:
     #: The engine's plugin manager (a proposer that loads a model builds it through the same
     #: registries); None: the process's default one.
     plugin_manager: Any = None
+    #: The target's model runner (a proposer drafting with the target's own layers, ``mtp``,
+    #: runs them through it); None when no target runner exists.
+    runner: Any = None
 
 
 #: ``--speculative-config`` keys the engine reads for every method.
@@ -62,6 +69,9 @@ class Proposer(ABC):
 
     #: The ``--speculative-config`` keys (besides the engine's: ENGINE_KEYS) this method reads.
     reads: ClassVar[frozenset[str]] = frozenset()
+    #: Whether the proposer drafts from the target's hidden states: the engine then asks the
+    #: runner for them each step and hands them over through :meth:`observe`.
+    wants_hidden_states: ClassVar[bool] = False
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
         self.config = config
@@ -81,9 +91,21 @@ class Proposer(ABC):
                 param=f"speculative_config.{ignored[0]}",
             )
 
+    @classmethod
+    def check_engine(cls, args: EngineArgs) -> None:
+        """Refuse engine settings the method cannot run with (ConfigError naming the setting);
+        called before the target model loads. Nothing by default."""
+
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         """Draft tokens for each request, in order: at most ``max_tokens`` each, ``[]`` for none."""
+
+    def observe(self, step, result) -> None:
+        """What the target computed in a step (``step``: its
+        :class:`~fastdeploy_core.executor.step_io.SchedulerOutput`, ``result``: the
+        :class:`~fastdeploy_core.executor.step_io.RunnerOutput`, with ``hidden_states`` when
+        :attr:`wants_hidden_states`), called after every step before the engine applies it.
+        Nothing by default."""
 
     def forget(self, request_id: str) -> None:
         """The request finished, was aborted or was preempted: drop any state kept for it (none

@@ -92,6 +92,8 @@ FIELDS: dict[tuple[str, str], tuple] = {
     ("speculative", "quantization"): read(
         "spec_decode/draft_model.py", "QuantizationConfig(quantization=config.quantization)"
     ),
+    # Read by the mtp proposer (it must equal num_speculative_tokens); refused for the other methods.
+    ("speculative", "num_model_steps"): read("spec_decode/mtp.py", "steps = config.num_model_steps"),
     ("graph_opt", "use_cudagraph"): read(CONFIG, "return self.use_cudagraph and not self.enforce_eager"),
     ("graph_opt", "enforce_eager"): read(CONFIG, "return self.use_cudagraph and not self.enforce_eager"),
     ("graph_opt", "cudagraph_capture_sizes"): read(RUNNER, "graph_opt.cudagraph_capture_sizes"),

@@ -151,7 +151,7 @@ def test_plugins_json_command_lists_every_plugin():
         "devices", "models", "quantizers", "schedulers", "proposers", "router_policies", "guided_backends",
         "tool_parsers", "reasoning_parsers",
     }
-    assert rows["builtin"]["registered"]["proposers"] == ["ngram", "draft_model"]
+    assert rows["builtin"]["registered"]["proposers"] == ["ngram", "draft_model", "mtp"]
     assert rows["builtin"]["registered"]["router_policies"] == [
         "random", "round_robin", "power_of_two", "request_num", "process_tokens", "cache_aware",
     ]

@@ -54,9 +54,11 @@ def test_speculation_off_builds_no_proposer():
 @pytest.mark.parametrize(
     "spec, says",
     [
-        ({"method": "mtp"}, ("speculative_config.method: no speculative decoding method 'mtp' is registered; "
-                             "registered methods: draft_model (fastdeploy-core), ngram (fastdeploy-core); "
-                             "FastDeploy's 'mtp': multi-token-prediction")),
+        ({"method": "suffix"}, ("speculative_config.method: no speculative decoding method 'suffix' is registered; "
+                                "registered methods: draft_model (fastdeploy-core), mtp (fastdeploy-core), ngram "
+                                "(fastdeploy-core); FastDeploy's 'suffix': suffix decoding")),
+        # mtp is registered, and drafts with the target's layers: without a target runner it cannot
+        ({"method": "mtp"}, "'mtp' drafts with the target's own layers and needs the target's model runner"),
         ({"method": "eagle9"}, "a third-party method is a package registering it through register_proposers"),
     ],
 )

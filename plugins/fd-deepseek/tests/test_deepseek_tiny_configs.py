@@ -259,7 +259,8 @@ def _mtp_checkpoint(tmp_path_factory, name: str) -> tuple[str, dict]:
     first = hf_model.config.num_hidden_layers
     tensors = {}
     for key, value in mtp.state_dict().items():
-        value = torch.randn_like(value) * 0.2 if key.endswith("weight") or "bias" in key else value
+        # every float tensor: MtpLayer leaves its fused experts (gate_up_proj, down_proj) uninitialised
+        value = torch.randn_like(value) * 0.2 if value.is_floating_point() else value
         key = key.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
         prefix = f"model.layers.{first}.{key.rsplit('.', 1)[0]}"
         if key.endswith("experts.gate_up_proj"):  # transformers' in-memory layout -> DeepSeek's per-expert names

@@ -62,9 +62,11 @@ def test_api_keys_from_flags_and_env(monkeypatch):
         ("tensor_parallel_size", 0, "tensor_parallel_size: got 0; must be >= 1"),
         ("scheduler_name", "nosuch", ("scheduler_name: no scheduler 'nosuch' is registered; registered schedulers: "
                                       "global (fastdeploy-core), local (fastdeploy-core)")),
-        ("speculative_config", {"method": "mtp"}, ("speculative_config.method: no speculative decoding method 'mtp' "
-                                                    "is registered; registered methods: draft_model (fastdeploy-core), "
-                                                    "ngram (fastdeploy-core)")),
+        ("speculative_config", {"method": "suffix"}, ("speculative_config.method: no speculative decoding method "
+                                                       "'suffix' is registered; registered methods: draft_model "
+                                                       "(fastdeploy-core), mtp (fastdeploy-core), ngram (fastdeploy-core)")),
+        ("speculative_config", {"method": "mtp", "num_model_steps": 2},
+         "speculative_config.num_model_steps: 2 MTP steps with num_speculative_tokens 1"),
         ("speculative_config", {"method": "ngram", "num_speculative_tokens": 0},
          "speculative_config.num_speculative_tokens: got 0; must be >= 1"),
     ],

@@ -1,0 +1,318 @@
+"""Speculative decoding with DeepSeek-V3's multi-token-prediction layer (``method: mtp``).
+
+A tiny random DeepSeek-V3 with one MTP layer (transformers' ``MtpLayer``, float32): our
+``forward_mtp`` gives transformers' logits over a paged cache; through the engine ``mtp`` leaves
+every token as it is without speculation (batched, prefix-cache hits, chunked prefill,
+preemption, seeded sampling), frees every block, and in a model built so that the MTP layer must
+agree with the target every draft is accepted; the settings it cannot honour are refused.
+"""
+
+import json
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import numpy as np
+import paddle
+import pytest
+import torch
+from fd_deepseek.deepseek import DeepseekV3ForCausalLM
+from safetensors.torch import load_file, save_file
+from test_deepseek_tiny_configs import BASE, CASES, PROMPTS, _hf_model, _load
+
+from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.devices.current import set_current_ops
+from fastdeploy_core.devices.reference_ops import ReferenceOps
+from fastdeploy_core.engine.engine_core import EngineCore
+from fastdeploy_core.engine.outputs import EngineCoreRequest
+from fastdeploy_core.engine.sampling_params import SamplingParams
+from fastdeploy_core.errors import ConfigError
+from fastdeploy_core.executor.forward_meta import ForwardMeta
+
+pytestmark = pytest.mark.usefixtures("restore_ops")
+
+NAME = "q_lora_yarn_interleaved"  # YaRN and interleaved rotary pairs: the MTP layer's rope must match too
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+MORE_PROMPTS = [*PROMPTS, [1, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57], [1, 12, 12, 12, 12, 30]]
+
+
+def _save_with_mtp(tmp_path_factory, name: str, tag: str):
+    """transformers' DeepSeek-V3 ``name`` plus one random ``MtpLayer`` saved as ``model.layers.{N}``
+    in DeepSeek's names: (path, the HF model, the HF MTP layer)."""
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    hf_model = _hf_model(name)
+    path = str(tmp_path_factory.mktemp(f"mtp_{tag}"))
+    hf_model.save_pretrained(path, safe_serialization=True)
+    torch.manual_seed(99)
+    mtp = MtpLayer(hf_model.config.get_mtp_config(), DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0).eval()
+    with torch.no_grad():  # every tensor, the fused experts' too (MtpLayer leaves those uninitialised)
+        for value in mtp.state_dict().values():
+            if value.is_floating_point():
+                value.copy_(torch.randn_like(value) * 0.2)
+    first = hf_model.config.num_hidden_layers
+    tensors = {}
+    for key, value in mtp.state_dict().items():
+        key = key.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+        prefix = f"model.layers.{first}.{key.rsplit('.', 1)[0]}"
+        if key.endswith("experts.gate_up_proj"):  # transformers' in-memory layout -> DeepSeek's per-expert names
+            for e, gate_up in enumerate(value):
+                gate, up = gate_up.chunk(2, dim=0)
+                tensors[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                tensors[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+        elif key.endswith("experts.down_proj"):
+            for e, down in enumerate(value):
+                tensors[f"{prefix}.{e}.down_proj.weight"] = down.contiguous()
+        else:
+            tensors[f"model.layers.{first}.{key}"] = value.detach().clone().contiguous()
+    tensors[f"model.layers.{first}.embed_tokens.weight"] = hf_model.model.embed_tokens.weight.detach().clone()
+    tensors[f"model.layers.{first}.shared_head.head.weight"] = hf_model.lm_head.weight.detach().clone()
+    file = os.path.join(path, "model.safetensors")
+    save_file({**load_file(file), **tensors}, file, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path, hf_model, mtp
+
+
+@pytest.fixture(scope="module")
+def with_mtp(tmp_path_factory):
+    return _save_with_mtp(tmp_path_factory, NAME, "random")
+
+
+@pytest.fixture(scope="module")
+def agreeing(tmp_path_factory):
+    """A checkpoint whose MTP layer must guess what the target computes next: every attention
+    output and feed-forward projection is zero, so the target's hidden state at a position is the
+    final norm of its token's embedding; the MTP layer's ``eh_proj`` passes the (normalised)
+    embedding half through and drops the hidden half, and its ``shared_head.norm`` is the final
+    norm, so its output for the token at ``p + 1`` is the target's hidden state at ``p + 1``.
+    (Had the layer read ``[hidden, embedding]`` or the token at ``p``, it would guess wrong.)"""
+    path, hf_model, _ = _save_with_mtp(tmp_path_factory, NAME, "agreeing")
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    hidden = hf_model.config.hidden_size
+    first = hf_model.config.num_hidden_layers
+    for key in list(tensors):
+        if key.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[key] = torch.zeros_like(tensors[key])
+    tensors[f"model.layers.{first}.eh_proj.weight"] = torch.cat(
+        [torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1
+    ).contiguous()
+    tensors[f"model.layers.{first}.enorm.weight"] = torch.ones(hidden)
+    tensors[f"model.layers.{first}.shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+# ---- the layer itself ------------------------------------------------------------------------
+def test_forward_mtp_matches_transformers_mtp_layer(with_mtp):
+    """Rows 0-4 in one prefill chunk, then 5-7 one at a time over the paged cache (block size 4,
+    blocks out of order); rotary positions are the tokens' own (cache row + 1)."""
+    path, hf_model, hf_mtp = with_mtp
+    set_current_ops(ReferenceOps())
+    model = _load(path)
+    assert isinstance(model, DeepseekV3ForCausalLM) and model.num_mtp_layers == 1
+    rng = np.random.default_rng(0)
+    n, hidden = 8, hf_model.config.hidden_size
+    tokens = rng.integers(3, hf_model.config.vocab_size, n)
+    previous = rng.standard_normal((n, hidden)).astype(np.float32)
+
+    with torch.no_grad():
+        embeds = hf_model.model.embed_tokens(torch.tensor(tokens)[None])
+        position_ids = torch.arange(1, n + 1)[None]
+        rope = hf_model.model.rotary_emb(embeds, position_ids=position_ids)
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = hf_mtp(embeds, torch.tensor(previous)[None], rope, mask, position_ids, None)
+        expected = hf_model.lm_head(out)[0].numpy()
+
+    block_size, table = 4, [3, 1]
+    caches = model.mtp_kv_cache_layout().allocate(6, block_size, lambda shape, dtype: paddle.zeros(shape, dtype))
+    got = []
+    for start, count in [(0, 5), (5, 1), (6, 1), (7, 1)]:
+        rows = np.arange(start, start + count)
+        slots = np.array([table[r // block_size] * block_size + r % block_size for r in rows])
+        meta = ForwardMeta(
+            input_ids=paddle.to_tensor(tokens[rows].astype(np.int64)),
+            positions=paddle.to_tensor(rows + 1),
+            slot_mapping=paddle.to_tensor(slots.astype(np.int64)),
+            query_start_loc=np.array([0, count], dtype=np.int64),
+            seq_lens=np.array([start + count], dtype=np.int64),
+            block_tables=np.array([table], dtype=np.int64),
+            block_size=block_size,
+            logits_indices=paddle.to_tensor(np.array([count - 1], dtype=np.int64)),
+        )
+        with paddle.no_grad():
+            out = model.forward_mtp(meta, paddle.to_tensor(previous[rows]), caches, 0)
+            got.append(model.compute_logits(out).numpy())
+    assert np.isfinite(expected).all() and np.abs(expected).max() > 0.1
+    np.testing.assert_allclose(np.concatenate(got), expected, atol=1e-4, rtol=1e-4, equal_nan=False)
+
+
+# ---- through the engine ----------------------------------------------------------------------
+def _core(path: str, spec: dict | None, **kw) -> EngineCore:
+    settings = {"model": path, "max_model_len": 64, "block_size": 4, "num_gpu_blocks_override": 96, **kw}
+    if spec:
+        settings["speculative_config"] = spec
+    return EngineCore(EngineArgs.create(**settings))
+
+
+def _run(core: EngineCore, requests, abort_after: dict | None = None) -> dict:
+    """Submit ``(id, prompt, params)``, step to the end (aborting ``abort_after[id]`` after that
+    many steps); {id: tokens}. Every KV block comes back and the proposer keeps no state."""
+    for rid, prompt, params in requests:
+        core.add_request(EngineCoreRequest(rid, prompt, params))
+    outs: dict = {}
+    steps = 0
+    while core.has_unfinished_requests():
+        steps += 1
+        assert steps < 2000
+        for out in core.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        for rid, when in (abort_after or {}).items():
+            if steps == when:
+                core.abort_requests([rid])
+    bm = core.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+    bm.check_invariants([])
+    if core.proposer is not None:
+        assert not core.proposer._states, "the MTP proposer kept a finished request's state"
+    return outs
+
+
+def _greedy(max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _batch() -> list:
+    return [(f"g{i}", p, _greedy()) for i, p in enumerate(MORE_PROMPTS)]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"max_num_batched_tokens": 5},  # chunked prompts; the MTP layer catches up in chunks as well
+        {"num_gpu_blocks_override": 20, "max_num_seqs": 5},  # too few blocks: requests are preempted
+        {"enable_prefix_caching": False},
+        {"kv_cache_dtype": "int8"},  # the MTP cache is quantized like the target's
+    ],
+    ids=["plain", "chunked", "preempted", "no_prefix_cache", "int8_cache"],
+)
+def test_mtp_tokens_equal_no_speculation(with_mtp, settings):
+    path = with_mtp[0]
+    off = _run(_core(path, None, **settings), _batch())
+    core = _core(path, MTP, **settings)
+    on = _run(core, _batch())
+    assert on == off
+    stats = core.get_stats()
+    assert stats["spec_decode_method"] == "mtp"
+    assert stats["spec_decode_num_draft_tokens_total"] > 0, stats
+    if "num_gpu_blocks_override" in settings:
+        assert core.scheduler.num_preemptions > 0
+    if "kv_cache_dtype" in settings:
+        from fastdeploy_core.quantization.kv_cache import QuantizedKVCache
+
+        assert isinstance(core.runner.mtp_kv_caches()[0][0], QuantizedKVCache)
+
+
+def test_mtp_tokens_equal_on_prefix_cache_hits(with_mtp):
+    """Second requests start past their cached prefix: their MTP rows start there too."""
+    path = with_mtp[0]
+    first = [(f"a{i}", p, _greedy(12)) for i, p in enumerate(MORE_PROMPTS)]
+    off_core, core = _core(path, None), _core(path, MTP)
+    off_first, on_first = _run(off_core, first), _run(core, first)
+    assert on_first == off_first
+    again = [(f"b{i}", p + off_first[f"a{i}"][:6], _greedy(16)) for i, p in enumerate(MORE_PROMPTS)]
+    hits = core.block_manager.prefix_hit_tokens
+    assert _run(core, again) == _run(off_core, again)
+    assert core.block_manager.prefix_hit_tokens > hits
+
+
+def test_seeded_sampling_keeps_its_tokens(with_mtp):
+    path = with_mtp[0]
+    reqs = [
+        (f"s{i}", p, SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=20, ignore_eos=True))
+        for i, p in enumerate(MORE_PROMPTS)
+    ]
+    core = _core(path, MTP)
+    assert _run(core, reqs) == _run(_core(path, None), reqs)
+    assert core.get_stats()["spec_decode_num_draft_tokens_total"] > 0
+
+
+def test_blocks_and_state_are_freed_after_aborts(with_mtp):
+    path = with_mtp[0]
+    core = _core(path, MTP)
+    outs = _run(core, _batch(), abort_after={"g0": 3, "g3": 6})
+    assert len(outs["g1"]) == 24 and len(outs.get("g0", [])) < 24
+
+
+def test_an_agreeing_mtp_layer_has_every_draft_accepted(agreeing):
+    off = _run(_core(agreeing, None), _batch())
+    core = _core(agreeing, MTP)
+    assert _run(core, _batch()) == off
+    stats = core.get_stats()
+    proposed, accepted = stats["spec_decode_num_draft_tokens_total"], stats["spec_decode_num_accepted_tokens_total"]
+    assert proposed > 0 and accepted == proposed, stats
+    assert stats["spec_decode_draft_acceptance_rate"] == 1.0
+    rows = core.scheduler.num_speculative_rows
+    assert stats["spec_decode_mean_accepted_length"] == pytest.approx((accepted + rows) / rows)
+    assert stats["spec_decode_mean_accepted_length"] > 2.5  # up to 3 drafts + the target's token per step
+    from fastdeploy_core.entrypoints.openai.metrics import ServerMetrics
+
+    text = ServerMetrics(core.get_stats).render().decode()
+    assert f'fastdeploy:spec_decode_num_accepted_tokens_total{{method="mtp"}} {float(accepted)}' in text
+
+
+def test_acceptance_counters_are_consistent_with_a_random_layer(with_mtp):
+    core = _core(with_mtp[0], MTP)
+    _run(core, _batch())
+    stats = core.get_stats()
+    proposed, accepted = stats["spec_decode_num_draft_tokens_total"], stats["spec_decode_num_accepted_tokens_total"]
+    assert 0 <= accepted <= proposed and proposed > 0
+    rows = core.scheduler.num_speculative_rows
+    assert stats["spec_decode_num_emitted_tokens_total"] == accepted + rows
+    assert stats["spec_decode_mean_accepted_length"] == pytest.approx((accepted + rows) / rows)
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+def test_a_model_without_mtp_layers_is_refused(tmp_path_factory):
+    hf_model = _hf_model(NAME)
+    path = str(tmp_path_factory.mktemp("no_mtp"))
+    hf_model.save_pretrained(path, safe_serialization=True)
+    with pytest.raises(ConfigError, match="needs multi-token-prediction layers") as err:
+        _core(path, MTP)
+    assert err.value.param == "speculative_config.method"
+
+
+@pytest.mark.parametrize(
+    "spec, param",
+    [
+        ({**MTP, "num_model_steps": 2}, "speculative_config.num_model_steps"),
+        ({**MTP, "num_model_steps": 0}, "speculative_config.num_model_steps"),
+        ({**MTP, "num_model_steps": 9}, "speculative_config.num_model_steps"),
+        ({**MTP, "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+        ({**MTP, "max_ngram_size": 3}, "speculative_config.max_ngram_size"),
+        ({"method": "ngram", "num_model_steps": 1}, "speculative_config.num_model_steps"),
+    ],
+    ids=["steps_mismatch", "steps_zero", "steps_nine", "tokens_zero", "ngram_key", "steps_for_ngram"],
+)
+def test_settings_mtp_cannot_honour_are_refused(with_mtp, spec, param):
+    with pytest.raises(ConfigError) as err:
+        _core(with_mtp[0], spec)
+    assert err.value.param == param, err.value
+
+
+def test_tensor_parallelism_is_refused_before_loading(with_mtp):
+    with pytest.raises(ConfigError, match="under tensor parallelism") as err:
+        _core(with_mtp[0], MTP, tensor_parallel_size=2)
+    assert err.value.param == "tensor_parallel_size"
+
+
+def test_matching_num_model_steps_is_accepted(with_mtp):
+    core = _core(with_mtp[0], {**MTP, "num_model_steps": 3})
+    assert core.config_info()["speculative_config"]["num_model_steps"] == 3
+    assert _run(core, _batch()[:2]) == _run(_core(with_mtp[0], None), _batch()[:2])
