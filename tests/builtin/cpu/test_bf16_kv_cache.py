@@ -95,9 +95,11 @@ def test_bf16_cache_is_the_rounded_float32_cache_bit_for_bit(specs, window, cpu_
 
     # float32 caches holding the same (bfloat16-representable) earlier entries
     fk, fv = paddle.to_tensor(widen(k_bits)), paddle.to_tensor(widen(v_bits))
-    fq = cpu_kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, fk, fv, meta.slot_mapping, HEADS, KV_HEADS)
+    fq = cpu_kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, fk, fv, meta.slot_mapping,
+                                      HEADS, KV_HEADS)
     bk, bv = bf16_tensor(k_bits), bf16_tensor(v_bits)
-    bq = cpu_kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, bk, bv, meta.slot_mapping, HEADS, KV_HEADS)
+    bq = cpu_kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, bk, bv, meta.slot_mapping,
+                                      HEADS, KV_HEADS)
     assert bk.dtype == paddle.bfloat16 and bv.dtype == paddle.bfloat16
     np.testing.assert_array_equal(bq.numpy(), fq.numpy())  # queries: float32, unchanged
     np.testing.assert_array_equal(bits_of(bk), rne_bf16(fk.numpy()))
@@ -117,7 +119,8 @@ def test_bf16_cache_is_the_rounded_float32_cache_bit_for_bit(specs, window, cpu_
     # The fused op: both steps in one call, the same caches and output.
     ck, cv = bf16_tensor(k_bits), bf16_tensor(v_bits)
     fused = cpu_kernels.fd_rope_paged_attention(
-        paddle.to_tensor(qkv), meta.positions, table, ck, cv, meta.slot_mapping, *_step(meta), HEADS, KV_HEADS, scale, window
+        paddle.to_tensor(qkv), meta.positions, table, ck, cv, meta.slot_mapping, *_step(meta),
+        HEADS, KV_HEADS, scale, window,
     )
     np.testing.assert_array_equal(fused.numpy(), got.numpy().reshape(fused.shape))
     np.testing.assert_array_equal(bits_of(ck), bits_of(bk))
@@ -131,8 +134,9 @@ def test_mixed_cache_dtypes_are_refused(cpu_kernels):
         cpu_kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, bf16_tensor(k_bits),
                                      paddle.to_tensor(widen(v_bits)), meta.slot_mapping, HEADS, KV_HEADS)
     with pytest.raises(Exception, match="must be float32 or bfloat16"):
-        cpu_kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, bf16_tensor(k_bits).astype("float16"),
-                                     bf16_tensor(v_bits).astype("float16"), meta.slot_mapping, HEADS, KV_HEADS)
+        half = [bf16_tensor(bits).astype("float16") for bits in (k_bits, v_bits)]
+        cpu_kernels.fd_rope_write_kv(paddle.to_tensor(qkv), meta.positions, table, *half, meta.slot_mapping,
+                                     HEADS, KV_HEADS)
 
 
 @pytest.mark.parametrize("scenario", ["decode", "prefix_cached_chunked", "sliding_window", "long_context",
