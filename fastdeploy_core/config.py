@@ -104,12 +104,22 @@ class CacheConfig(_Section):
         "stay within this share of the pool, the rest is kept for running requests' output (None: 1.0)",
     )
     enable_prefix_caching: bool = True
-    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    kv_cache_dtype: Literal["auto", "int8", "bfloat16"] = Field(
+        "auto",
+        description="auto: float32 K/V; bfloat16 (alias bf16): K/V rounded to bfloat16 on write, half the bytes "
+        "per block; int8: codes plus a scale per token and head",
+    )
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
     def _bytes(cls, value: Any) -> Any:
         return parse_byte_size(value)
+
+    @field_validator("kv_cache_dtype", mode="before")
+    @classmethod
+    def _bf16_alias(cls, value: Any) -> Any:
+        # vLLM and FastDeploy users write both spellings; one name inside.
+        return "bfloat16" if isinstance(value, str) and value.lower() in ("bf16", "bfloat16") else value
 
     @model_validator(mode="after")
     def _one_size(self) -> CacheConfig:

@@ -137,6 +137,8 @@ class FusedOps(ReferenceOps):
         batch, max_q, max_kv = state["batch"], state["max_q"], state["max_kv"]
         k = paddle.index_select(k_cache, state["block_ids"], axis=0).reshape([batch, max_kv, num_kv_heads, head_dim])
         v = paddle.index_select(v_cache, state["block_ids"], axis=0).reshape([batch, max_kv, num_kv_heads, head_dim])
+        if k.dtype != q.dtype:  # a bfloat16 cache under float32 activations: widened as read
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         if state["pad_rows"] is not None:
             q = paddle.index_select(q, state["pad_rows"], axis=0)
         q = q.reshape([batch, max_q, num_heads, head_dim])

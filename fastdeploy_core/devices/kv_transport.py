@@ -33,14 +33,23 @@ import numpy as np
 
 def host_views(kv_caches: list[tuple]) -> list[tuple[np.ndarray, ...]]:
     """numpy views (no copy) of a cache's tensors, for caches in host memory; a ConfigError for a
-    cache made of something else (an int8 KV cache's codes-and-scales objects)."""
+    cache made of something else (an int8 KV cache's codes-and-scales objects).
+
+    A bfloat16 cache (``--kv-cache-dtype bfloat16``; numpy has no bfloat16) is viewed as int16:
+    the transports move its bytes unchanged, and its signature says int16, so it pairs only with
+    another bfloat16 cache."""
     from fastdeploy_core.errors import ConfigError
 
     if any(not hasattr(t, "__dlpack__") for layer in kv_caches for t in layer):
         raise ConfigError("kv_cache_dtype: prefill/decode instances move float KV caches only; this one is "
                           "quantized (int8): drop --kv-cache-dtype int8 (or the checkpoint's KV quantization) on "
                           "prefill and decode instances", param="kv_cache_dtype")
-    return [tuple(np.from_dlpack(t) for t in layer) for layer in kv_caches]
+    return [tuple(np.from_dlpack(_bits(t)) for t in layer) for layer in kv_caches]
+
+
+def _bits(tensor):
+    """``tensor``, or for a bfloat16 tensor the same memory as int16 (DLPack's bfloat16 has no numpy type)."""
+    return tensor.view("int16") if str(getattr(tensor, "dtype", "")).endswith("bfloat16") else tensor
 
 
 def cache_signature(views: list[tuple[np.ndarray, ...]]) -> list:

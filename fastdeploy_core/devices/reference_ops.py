@@ -8,6 +8,9 @@ Conventions: tensors are Paddle tensors; ``T`` is the number of tokens in the st
 requests flattened), ``h``/``kvh`` query/key-value heads, ``d`` the head size. Linear weights
 use Paddle's ``[in, out]`` layout. KV caches are per layer ``[num_blocks, block_size, kvh, d]``
 (a latent cache, :meth:`ReferenceOps.mla_paged_attention`: ``[num_blocks, block_size, 1, L + dr]``).
+A key/value cache may be stored in a narrower float than the activations (``--kv-cache-dtype
+bfloat16``: float32 K/V rounded to bfloat16, nearest-even, when written; widened back when
+read, and the attention computed in the activations' dtype).
 
 Batch-1 decode is dominated by per-op dispatch cost in eager Paddle, so the ops keep their op
 count low and derive per-step index tensors once (in ``ForwardMeta.attn_state`` or keyed on
@@ -394,7 +397,14 @@ class ReferenceOps:
         """Store this step's ``k``/``v [T, kvh, d]`` at ``slot_mapping [T]``, in place.
 
         A slot is ``block_id * block_size + offset``; caches are ``[num_blocks, block_size, kvh, d]``.
+        A cache of another dtype than ``k`` (a bfloat16 cache) stores ``k``/``v`` cast to it
+        (Paddle's cast: round to nearest, ties to even).
         """
+        if k_cache.dtype != k.dtype:
+            # Paddle's CPU scatter has no bfloat16 kernel; index_put_ on the flat view does.
+            _cache_view(k_cache, "_fd_slot_view", 2).index_put_((slot_mapping,), k.astype(k_cache.dtype))
+            _cache_view(v_cache, "_fd_slot_view", 2).index_put_((slot_mapping,), v.astype(v_cache.dtype))
+            return
         # scatter_ on a flat view of the cache writes in place and costs a fraction of index_put_.
         paddle.scatter_(_cache_view(k_cache, "_fd_slot_view", 2), slot_mapping, k, overwrite=True)
         paddle.scatter_(_cache_view(v_cache, "_fd_slot_view", 2), slot_mapping, v, overwrite=True)
@@ -415,7 +425,8 @@ class ReferenceOps:
         prefix-cached blocks, chunked prefill, mixed prefill+decode batches and GQA without a
         per-request loop: the batch is padded to ``[B, max_q]`` queries over ``[B, max_kv]``
         cache positions gathered block-wise from ``meta.block_tables``, with a mask
-        ``kv_pos <= q_pos``. Returns ``[T, h, d]``.
+        ``kv_pos <= q_pos``. Returns ``[T, h, d]``. Caches of a narrower dtype than ``q``
+        (bfloat16) are widened to ``q``'s dtype as they are gathered.
         """
         key = "paged_reference" if not sliding_window else f"paged_reference/window={int(sliding_window)}"
         state = meta.attn_state.get(key)
@@ -434,6 +445,8 @@ class ReferenceOps:
         shape = [batch, num_kv_heads, max_kv, head_dim]
         k = paddle.index_select(_cache_view(k_cache, "_fd_row_view", 1), rows, axis=0).reshape(shape)
         v = paddle.index_select(_cache_view(v_cache, "_fd_row_view", 1), rows, axis=0).reshape(shape)
+        if k.dtype != q.dtype:
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
 
         if max_q == 1:
             # Decode: one query row per sequence, already in batch order. Query heads of one

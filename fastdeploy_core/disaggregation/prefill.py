@@ -132,7 +132,8 @@ class PrefillConnector(Connector):
                                       f"({', '.join(self.transports)})")
             if header.get("signature") != self.signature or header.get("block_size") != self.block_size:
                 raise KVTransferError("the decode instance's KV cache is laid out differently (model, block size or "
-                                      "cache dtype differ); pair instances serving the same model and --block-size")
+                                      "--kv-cache-dtype differ); pair instances serving the same model, "
+                                      "--block-size and --kv-cache-dtype")
             if len(remote) != -(-len(prompt) // self.block_size):
                 raise KVTransferError(f"{len(remote)} blocks were held for a {len(prompt)}-token prompt")
             self.engine.add_remote_prompt(core_id, prompt, header.get("sampling_params") or {},

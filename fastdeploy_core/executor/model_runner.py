@@ -39,12 +39,12 @@ from fastdeploy_core.executor.forward_meta import ForwardMeta
 from fastdeploy_core.executor.sampler import Sampler, log_softmax, top_logprobs, verify_drafts
 from fastdeploy_core.executor.step_io import RunnerOutput, SchedulerOutput
 from fastdeploy_core.host_memory import returned_after_loading
-from fastdeploy_core.layers.kv_layout import KVCacheLayout, kv_cache_layout
+from fastdeploy_core.layers.kv_layout import CACHE_DTYPE_BYTES, KVCacheLayout, kv_cache_layout
 from fastdeploy_core.layers.parallel import tp_group
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_BYTES = 4  # float32 KV cache (the only matmul dtype of Paddle's CPU build)
+_DTYPE_BYTES = 4  # float32 activations (the only matmul dtype of Paddle's CPU build)
 _MiB = 1 << 20
 
 
@@ -89,6 +89,15 @@ class ModelRunner:
         if args.model.dtype == "bfloat16":
             self.quantizer = self._bfloat16_linears(self.quantizer)
         self.kv_quantizer = self.quantizer.kv_cache_method if self.quantizer is not None else None
+        #: Storage dtype of a float KV cache: float32, or bfloat16 (``--kv-cache-dtype bfloat16``).
+        self.kv_dtype = "bfloat16" if args.cache.kv_cache_dtype == "bfloat16" else "float32"
+        if self.kv_dtype == "bfloat16" and self.kv_quantizer is not None:
+            raise ConfigError(
+                f"kv_cache_dtype: bfloat16 stores K/V as bfloat16, and quantization {self.quantizer.name!r} "
+                f"(--quantization or the checkpoint's quantization_config) brings its own {self.kv_quantizer.name} KV "
+                "cache; use one: drop --kv-cache-dtype bfloat16, or use a method without a KV cache of its own",
+                param="kv_cache_dtype",
+            )
         if self.kv_quantizer is None and args.cache.kv_cache_dtype == "int8":
             self.kv_quantizer = Int8KVCacheQuantizer()
         if self.kv_quantizer is not None:
@@ -99,6 +108,7 @@ class ModelRunner:
                 self.model = model_cls(self.source.hf_config, quant_config=self.quantizer)
             except ImportError as exc:
                 raise self._import_error(pm, exc) from exc
+            self._check_kv_dtype()
             load_model_weights(self.model, self.source)
             close_gguf_readers()
         self.model.eval()
@@ -124,6 +134,17 @@ class ModelRunner:
         #: ``(step, layer index)``, called in eager forwards as each decoder layer's KV rows of the
         #: step are written (see ``ForwardMeta.after_layer``); a prefill instance's KV sender.
         self.layer_listener = None
+
+    def _check_kv_dtype(self) -> None:
+        """A bfloat16 cache is a key/value cache: a latent cache (multi-head latent attention) is refused."""
+        layout = self.kv_layout
+        if self.kv_dtype == "bfloat16" and layout.kind != "key_value":
+            raise ConfigError(
+                f"kv_cache_dtype: bfloat16 is implemented for key/value caches; {self.source.architecture} caches "
+                f"one {layout.kind} row per token (multi-head latent attention), which stays float32 (or int8: "
+                "--kv-cache-dtype int8); drop --kv-cache-dtype bfloat16 for this model",
+                param="kv_cache_dtype",
+            )
 
     @staticmethod
     def _bfloat16_linears(quantizer):
@@ -215,7 +236,7 @@ class ModelRunner:
         layout = self.kv_layout
         if self.kv_quantizer is not None:
             return layout.num_layers * self.block_size * self.kv_quantizer.layout_bytes_per_token(layout)
-        return layout.num_layers * self.block_size * layout.bytes_per_token(_DTYPE_BYTES)
+        return layout.num_layers * self.block_size * layout.bytes_per_token(CACHE_DTYPE_BYTES[self.kv_dtype])
 
     def activation_bytes(self) -> int:
         """Peak temporary memory of one step of ``max_num_batched_tokens`` tokens (an estimate)."""
@@ -279,9 +300,10 @@ class ModelRunner:
                 param="kv_cache_memory" if cache.kv_cache_memory is not None else "max_model_len",
             )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens, %.1f sequences of max_model_len %d), from %s",
+            "KV cache: %d blocks of %d tokens (%s, %.1f MiB, %d tokens, %.1f sequences of max_model_len %d), from %s",
             num_blocks,
             self.block_size,
+            self.kv_quantizer.name if self.kv_quantizer is not None else self.kv_dtype,
             num_blocks * per_block / _MiB,
             num_blocks * self.block_size,
             num_blocks / needed,
@@ -308,7 +330,7 @@ class ModelRunner:
         layout = layout or self.kv_layout
         if self.kv_quantizer is not None:
             return self.kv_quantizer.allocate_layout(layout, num_blocks, self.block_size, zeros=self.device_cls.zeros)
-        return layout.allocate(num_blocks, self.block_size, self.device_cls.zeros)
+        return layout.allocate(num_blocks, self.block_size, self.device_cls.zeros, self.kv_dtype)
 
     # ---- one step --------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput, host_only: bool = False) -> ForwardMeta:
@@ -496,7 +518,7 @@ class ModelRunner:
                 "kind": layout.kind,
                 "token_shapes": [list(shape) for shape in layout.token_shapes],
                 "bytes_per_token_per_layer": self.bytes_per_block // (layout.num_layers * self.block_size),
-                "dtype": self.kv_quantizer.name if self.kv_quantizer is not None else "float32",
+                "dtype": self.kv_quantizer.name if self.kv_quantizer is not None else self.kv_dtype,
             },
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "vocab_size": self.vocab_size,

@@ -15,6 +15,9 @@ from math import prod
 
 #: Bytes of one cache element: float32 (the only matmul dtype of Paddle's CPU build).
 FLOAT32_BYTES = 4
+#: Bytes of one cache element per storage dtype (``--kv-cache-dtype bfloat16``: K/V rounded to
+#: bfloat16 when written, widened to float32 when read).
+CACHE_DTYPE_BYTES = {"float32": FLOAT32_BYTES, "bfloat16": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +59,10 @@ class KVCacheLayout:
         """Bytes one token takes in one layer."""
         return self.elements_per_token() * dtype_bytes
 
-    def allocate(self, num_blocks: int, block_size: int, zeros) -> list[tuple]:
-        """Per layer, a tuple of float32 cache tensors made by ``zeros(shape, dtype)``."""
+    def allocate(self, num_blocks: int, block_size: int, zeros, dtype: str = "float32") -> list[tuple]:
+        """Per layer, a tuple of ``dtype`` (float32 or bfloat16) cache tensors made by ``zeros(shape, dtype)``."""
         return [
-            tuple(zeros((int(num_blocks), int(block_size), *shape), "float32") for shape in self.token_shapes)
+            tuple(zeros((int(num_blocks), int(block_size), *shape), dtype) for shape in self.token_shapes)
             for _ in range(self.num_layers)
         ]
 

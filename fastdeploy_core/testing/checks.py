@@ -539,6 +539,71 @@ def check_rope_paged_attention(target: Target, scenario: str, backend: str, dtyp
     assert_close(got_v, want_v, dtype, f"rope_paged_attention[{backend}] {scenario}: v_cache")
 
 
+#: Relative distance two roundings of one float32 value to bfloat16 may have (one bfloat16 step:
+#: 7 stored mantissa bits; a key rotated with or without a fused multiply-add can round apart).
+BF16_STEP = 2.0**-7
+
+
+def _widened(cache: paddle.Tensor) -> np.ndarray:
+    return cache.astype("float32").cpu().numpy()
+
+
+def check_bf16_kv_cache(target: Target, scenario: str, backend: str, seed: int = 0) -> None:
+    """``--kv-cache-dtype bfloat16``: the attention block (rotary, KV write, attention) over
+    bfloat16 K/V caches with float32 activations, for every sequence shape of ``scenario``.
+
+    The caches the target writes must hold the reference's bfloat16 roundings (round to
+    nearest, ties to even) of the new keys and values, each within one bfloat16 step of the
+    reference's (a rotated key computed with another float32 rounding may round to the
+    neighbouring bfloat16), every other entry untouched, and stay bfloat16. The output must be
+    the reference attention (widened K/V, float32 arithmetic) over the caches the target wrote,
+    within the float32 tolerance: the kernel reads the bfloat16 values it stored, no others.
+    """
+    rng = np.random.default_rng(seed + 2)
+    heads, kv_heads, d, bs = 6, 2, 16, 4
+    specs = ATTENTION_SCENARIOS[scenario]
+    nb, positions = _attention_geometry(specs, bs, 64)
+    pool = BlockPool(nb, seed=seed)
+    chunks = [(list(range(q)), ctx, pool.take(blocks_for(q + ctx, bs))) for q, ctx in specs]
+    k_cache = rng.standard_normal((nb, bs, kv_heads, d)).astype(np.float32)  # rounded when made bfloat16
+    v_cache = rng.standard_normal((nb, bs, kv_heads, d)).astype(np.float32)
+    total = sum(q for q, _ in specs)
+    qkv = rng.standard_normal((total, (heads + 2 * kv_heads) * d)).astype(np.float32)
+    table = cos_sin_cache(d, max(128, positions)).astype(np.float32)
+    scale = d**-0.5
+    window = ATTENTION_WINDOWS.get(scenario)
+
+    with paddle.device.device_guard(HOST_PLACE):
+        ref = ReferenceOps()
+        meta = build_meta(chunks, bs)
+        rk, rv = _to(k_cache, "bfloat16"), _to(v_cache, "bfloat16")
+        ref.rope_paged_attention(paddle.to_tensor(qkv), meta.positions, paddle.to_tensor(table), rk, rv, meta,
+                                 heads, kv_heads, scale, window)
+        want_k, want_v = _widened(rk), _widened(rv)
+
+    with target.placed():
+        ops = target.make_ops(backend)
+        meta = build_meta(chunks, bs)
+        tk, tv = _to(k_cache, "bfloat16"), _to(v_cache, "bfloat16")
+        got = _np(ops.rope_paged_attention(paddle.to_tensor(qkv), meta.positions, paddle.to_tensor(table), tk, tv,
+                                           meta, heads, kv_heads, scale, window))
+        if tk.dtype != paddle.bfloat16 or tv.dtype != paddle.bfloat16:
+            raise AssertionError(f"bf16 KV cache {scenario}: the caches became {tk.dtype}/{tv.dtype}")
+        got_k, got_v = _widened(tk), _widened(tv)
+    for name, g, w in (("k_cache", got_k, want_k), ("v_cache", got_v, want_v)):
+        np.testing.assert_allclose(g, w, rtol=BF16_STEP, atol=0,
+                                   err_msg=f"rope_paged_attention[{backend}] bf16 KV cache {scenario}: {name}")
+
+    with paddle.device.device_guard(HOST_PLACE):  # the reference over the caches the target wrote
+        ref_meta = build_meta(chunks, bs)
+        qk = paddle.to_tensor(qkv).reshape([total, heads + 2 * kv_heads, d])[:, : heads + kv_heads]
+        rotated, _ = ref.rotary_embedding(ref_meta.positions, qk, None, paddle.to_tensor(table))
+        q = rotated[:, :heads]
+        want = ref.paged_attention(q, _to(got_k, "bfloat16"), _to(got_v, "bfloat16"), ref_meta, scale, window)
+        want = want.reshape([total, heads * d]).numpy()
+    assert_close(got, want, "float32", f"rope_paged_attention[{backend}] bf16 KV cache {scenario}")
+
+
 def check_mla_paged_attention(target: Target, scenario: str, backend: str, dtype: str, seed: int = 0) -> None:
     """Multi-head latent attention: the target's latent-cache write and its ``auto``, ``absorbed``
     and ``expanded`` forms against the reference's expanded form, for every sequence shape of

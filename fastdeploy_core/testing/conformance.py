@@ -55,6 +55,10 @@ def test_rope_paged_attention_parity(fd_target, fd_scenario, fd_backend, fd_dtyp
     checks.check_rope_paged_attention(fd_target, fd_scenario, fd_backend, fd_dtype)
 
 
+def test_bf16_kv_cache_parity(fd_target, fd_scenario, fd_backend):
+    checks.check_bf16_kv_cache(fd_target, fd_scenario, fd_backend)
+
+
 def test_mla_paged_attention_parity(fd_target, fd_scenario, fd_backend, fd_dtype):
     checks.check_mla_paged_attention(fd_target, fd_scenario, fd_backend, fd_dtype)
 

@@ -106,3 +106,18 @@ def test_serve_takes_the_graph_flags_of_fastdeploy_and_vllm(app, monkeypatch):
     assert not seen[-1].graph_opt.enabled
     result = runner.invoke(app, ["serve", "--graph-optimization-config", "{bad"])
     assert result.exit_code == 2 and "graph_optimization_config" in result.output
+
+
+def test_serve_takes_kv_cache_dtype_in_both_spellings(app, monkeypatch):
+    import fastdeploy_core.entrypoints.openai.api_server as api_server
+
+    seen = []
+    monkeypatch.setattr(api_server, "run_server", lambda engine_args, server, log_level: seen.append(engine_args))
+    runner = CliRunner()
+    for spelling in ("bf16", "bfloat16", "BF16"):
+        result = runner.invoke(app, ["serve", "--kv-cache-dtype", spelling])
+        assert result.exit_code == 0, result.output
+        assert seen[-1].cache.kv_cache_dtype == "bfloat16"
+    assert runner.invoke(app, ["serve"]).exit_code == 0 and seen[-1].cache.kv_cache_dtype == "auto"
+    result = runner.invoke(app, ["serve", "--kv-cache-dtype", "fp8"])
+    assert result.exit_code == 2 and "kv_cache_dtype" in result.output

@@ -58,6 +58,9 @@ def _run_all_checks(target, backends=None, methods=None) -> list[str]:
         for scenario in checks.ATTENTION_SCENARIOS:
             for backend_target, backend in backends:
                 run(checks.check_paged_attention, backend_target, scenario, backend, dtype)
+    for scenario in checks.ATTENTION_SCENARIOS:
+        for backend_target, backend in backends:
+            run(checks.check_bf16_kv_cache, backend_target, scenario, backend)
     run(checks.check_generation, target)
     for method_target, method in methods or [(target, m) for m in target.device.quantization_methods]:
         run(checks.check_quantization_method, method_target, method)

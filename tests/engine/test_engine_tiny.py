@@ -427,7 +427,7 @@ def test_kv_cache_memory_is_exact_and_refused_when_it_cannot_hold_one_sequence(g
     assert core.runner.num_blocks == 40 and core.block_manager.num_blocks == 40
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
     assert lines == [
-        f"KV cache: 40 blocks of 4 tokens ({40 * per_block / (1 << 20):.1f} MiB, 160 tokens, 1.2 sequences of "
+        f"KV cache: 40 blocks of 4 tokens (float32, {40 * per_block / (1 << 20):.1f} MiB, 160 tokens, 1.2 sequences of "
         f"max_model_len 128), from --kv-cache-memory {40 * per_block + 7} bytes"
     ]
     with pytest.raises(OutOfKVCacheError) as info:  # 128 tokens need 32 blocks

@@ -86,6 +86,21 @@ def test_grouped_wint8_tp2_gives_the_tokens_of_one_rank(tmp_path):
         close(two)
 
 
+def test_bf16_kv_cache_tp2_gives_the_tokens_of_one_rank(tmp_path):
+    """--kv-cache-dtype bf16 under two ranks: each rank holds its KV heads' bfloat16 blocks."""
+    _save_tiny(str(tmp_path), TINY["kv_heads_split"])
+    one = tp_core(str(tmp_path), size=1, kv_cache_dtype="bf16")
+    two = tp_core(str(tmp_path), kv_cache_dtype="bf16", max_num_batched_tokens=5)
+    try:
+        requests = [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
+        single, split = run(one, requests), run(two, requests)
+        for i in range(len(PROMPTS)):
+            assert tokens(split, f"r{i}") == tokens(single, f"r{i}"), f"prompt {i}"
+        assert two.config_info()["kv_cache_spec"]["dtype"] == "bfloat16"
+    finally:
+        close(two)
+
+
 def test_heads_that_do_not_split_are_refused_with_the_numbers(tmp_path):
     # 3 query heads, 1 KV head: two ranks would each need 1.5 query heads of the replicated KV head
     # (transformers refuses to build such a config; the check runs before any weight loads)

@@ -82,4 +82,6 @@ class CpuDevice(Device):
         import numpy as np
         import paddle
 
+        if str(dtype) == "bfloat16":  # numpy has no bfloat16: its bits as int16, viewed as bfloat16 (no copy)
+            return paddle.utils.dlpack.from_dlpack(np.zeros(tuple(shape), dtype=np.int16)).view(paddle.bfloat16)
         return paddle.utils.dlpack.from_dlpack(np.zeros(tuple(shape), dtype=dtype))

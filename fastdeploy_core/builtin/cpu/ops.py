@@ -289,11 +289,14 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         tiled with an online softmax so its cost stays proportional to the (query, key) pairs at
         any context: at SmolLM2's shape one layer of a whole 8,000-token prompt takes ~1.1 s of
         CPU where the untiled kernel took ~9.3 s, a 512-token prompt ~6.6 ms (was ~10); see
-        ``benchmarks/long_context.md``."""
+        ``benchmarks/long_context.md``. A bfloat16 cache (``--kv-cache-dtype bfloat16``) is
+        written rounded (nearest, ties to even) and widened back to float32 tile by tile as it is
+        read; the queries and all the attention arithmetic stay float32."""
         if (
             not (self._have_kernels or self._ready())
             or not isinstance(k_cache, paddle.Tensor)
-            or k_cache.dtype != paddle.float32
+            or k_cache.dtype not in (paddle.float32, paddle.bfloat16)
+            or qkv.dtype != paddle.float32
             or qkv.ndim != 2
         ):
             return ReferenceOps.rope_paged_attention(

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from fastdeploy_core.devices.current import current_ops, set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
-from fastdeploy_core.errors import ModelLoadError
+from fastdeploy_core.errors import ConfigError, ModelLoadError
 from fastdeploy_core.layers.decoder import GatedMLP
 from fastdeploy_core.layers.kv_layout import kv_cache_layout
 from fastdeploy_core.loader import load_model_weights, resolve_model_source
@@ -372,3 +372,16 @@ def test_int8_latent_cache_stores_codes_and_reads_the_same_from_cache(case):
         assert max(first, key=first.get) == max(float_first, key=float_first.get), f"prompt {i}"
         assert max(abs(first[t] - float_first[t]) for t in first.keys() & float_first.keys()) < 0.15, f"prompt {i}"
     assert np.abs(cache.data.numpy()).max() > 0
+
+
+def test_a_bf16_kv_cache_is_refused_for_the_latent_cache(case):
+    """``--kv-cache-dtype bfloat16`` covers key/value caches; the latent row is refused by name."""
+    from fastdeploy_core.config import EngineArgs
+    from fastdeploy_core.engine.engine_core import EngineCore
+
+    _, path, _ = case
+    with pytest.raises(ConfigError, match="kv_cache_dtype: bfloat16 is implemented for key/value caches; "
+                       "DeepseekV3ForCausalLM caches one latent row") as info:
+        EngineCore(EngineArgs.create(model=path, max_model_len=64, block_size=4, num_gpu_blocks_override=32,
+                                     kv_cache_dtype="bf16"))
+    assert info.value.param == "kv_cache_dtype"

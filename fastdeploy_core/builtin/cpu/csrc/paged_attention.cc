@@ -21,8 +21,12 @@
 //   (a few long decodes) splits each item's keys and combines the partial softmax results.
 //   Softmax in float32 with the running maximum subtracted.
 //
-// The caches are [num_blocks, block_size, kvh, d] float32 and are written in place: they are
-// the engine's long-lived KV buffers, not values of a graph (the ops run eagerly on the cpu).
+// The caches are [num_blocks, block_size, kvh, d] float32 or bfloat16 (--kv-cache-dtype
+// bfloat16) and are written in place: they are the engine's long-lived KV buffers, not values of
+// a graph (the ops run eagerly on the cpu). A bfloat16 cache stores the float32 keys and values
+// rounded to nearest, ties to even (Paddle's cast); attention widens each 64-key tile's key and
+// value rows back to float32 and runs the float32 tile code on them, so a bfloat16 cache gives
+// exactly what a float32 cache holding the same (rounded) values gives. Queries stay float32.
 
 #include <immintrin.h>
 
@@ -48,6 +52,35 @@ using fd_kernels::i32x16;
 using fd_kernels::load16;
 using fd_kernels::store16;
 
+// float32 -> bfloat16, round to nearest, ties to even; a NaN becomes 0x7fff (as Paddle's cast).
+inline uint16_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline void round_bf16(const float* x, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(x[i]);
+}
+
+// bfloat16 -> float32 (exact: a bfloat16 is the upper half of a float32).
+inline void widen_bf16(const uint16_t* x, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
+    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(x[i]) << 16;
+    std::memcpy(out + i, &u, sizeof(u));
+  }
+}
+
+inline bool is_bf16(const paddle::Tensor& cache) { return cache.dtype() == paddle::DataType::BFLOAT16; }
+
 inline void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
   const int64_t half = d / 2;
   for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
@@ -55,8 +88,8 @@ inline void rotate(const float* x, const float* cos, const float* sin, float* ou
 }
 
 void check_cache(const paddle::Tensor& cache, const char* name, int64_t kvh, int64_t d) {
-  PD_CHECK(cache.dtype() == paddle::DataType::FLOAT32 && cache.shape().size() == 4, name,
-           " must be float32 [num_blocks, block_size, kvh, d]");
+  PD_CHECK((cache.dtype() == paddle::DataType::FLOAT32 || is_bf16(cache)) && cache.shape().size() == 4, name,
+           " must be float32 or bfloat16 [num_blocks, block_size, kvh, d]");
   PD_CHECK(cache.shape()[2] == kvh && cache.shape()[3] == d, name, " has ", cache.shape()[2], " heads of ",
            cache.shape()[3], ", expected ", kvh, " of ", d);
 }
@@ -82,6 +115,7 @@ int64_t check_rope(const paddle::Tensor& qkv, const paddle::Tensor& positions, c
   PD_CHECK(slots.dtype() == paddle::DataType::INT64 && slots.numel() == T, "slots must be int64 [T]");
   check_cache(k_cache, "k_cache", num_kv_heads, d);
   check_cache(v_cache, "v_cache", num_kv_heads, d);
+  PD_CHECK(k_cache.dtype() == v_cache.dtype(), "k_cache and v_cache must have one dtype");
   return d;
 }
 
@@ -96,8 +130,11 @@ void rope_write_kv_into(const paddle::Tensor& qkv, const paddle::Tensor& positio
   const float* table = cos_sin.data<float>();
   const int64_t* pos = positions.data<int64_t>();
   const int64_t* slot = slots.data<int64_t>();
-  float* kc = const_cast<float*>(k_cache.data<float>());  // in place: see the file comment
-  float* vc = const_cast<float*>(v_cache.data<float>());
+  // In place: see the file comment. A bfloat16 cache gets each rotated key row rounded from `row_k`.
+  const bool bf16 = is_bf16(k_cache);
+  void* kc = const_cast<void*>(k_cache.data());
+  void* vc = const_cast<void*>(v_cache.data());
+  std::vector<float> row_k(bf16 ? d : 0);
   for (int64_t t = 0; t < T; ++t) {
     PD_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rotary table of ", max_pos);
     PD_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache of ", num_slots, " slots");
@@ -105,10 +142,20 @@ void rope_write_kv_into(const paddle::Tensor& qkv, const paddle::Tensor& positio
     const float* cos = table + pos[t] * 2 * d;
     const float* sin = cos + d;
     for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * d, cos, sin, qp + (t * num_heads + h) * d, d);
-    float* k_dst = kc + slot[t] * num_kv_heads * d;
-    float* v_dst = vc + slot[t] * num_kv_heads * d;
+    const int64_t at = slot[t] * num_kv_heads * d;
+    const float* v_src = row + (num_heads + num_kv_heads) * d;
+    if (bf16) {
+      uint16_t* k_dst = static_cast<uint16_t*>(kc) + at;
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        rotate(row + (num_heads + g) * d, cos, sin, row_k.data(), d);
+        round_bf16(row_k.data(), k_dst + g * d, d);
+      }
+      round_bf16(v_src, static_cast<uint16_t*>(vc) + at, num_kv_heads * d);
+      continue;
+    }
+    float* k_dst = static_cast<float*>(kc) + at;
     for (int64_t g = 0; g < num_kv_heads; ++g) rotate(row + (num_heads + g) * d, cos, sin, k_dst + g * d, d);
-    std::memcpy(v_dst, row + (num_heads + num_kv_heads) * d, num_kv_heads * d * sizeof(float));
+    std::memcpy(static_cast<float*>(vc) + at, v_src, num_kv_heads * d * sizeof(float));
   }
 }
 
@@ -213,8 +260,10 @@ struct Item {
 
 struct AttentionJob {
   const float* q;  // [T, h, d]
-  const float* k;  // cache [NB, bs, kvh, d]
+  const float* k;  // cache [NB, bs, kvh, d], float32 (nullptr for a bfloat16 cache)
   const float* v;
+  const uint16_t* k16;  // cache [NB, bs, kvh, d], bfloat16 (nullptr for a float32 cache)
+  const uint16_t* v16;
   const int64_t* token_pos;  // [T]: position of each query token (keys 0..pos are visible)
   const int64_t* tables;     // [B, MB]
   int64_t max_blocks, block_size, num_heads, num_kv_heads, d, window, group, rows_max;
@@ -354,9 +403,9 @@ void attend_item(void* ctx, int64_t index) {
   const int64_t group = j.group, d = j.d, h = j.num_heads;
   const int64_t m = (it.t_end - it.t_begin) * group, mp = (m + 15) / 16 * 16;
   const bool narrow = m < kNarrowRows;
-  thread_local std::vector<float> qr, qt, st, o, mv, lv, av;
+  thread_local std::vector<float> qr, qt, st, o, mv, lv, av, kw, vw;
   thread_local std::vector<int32_t> row_pos;
-  thread_local std::vector<int64_t> off;
+  thread_local std::vector<int64_t> off, wide_off;
   qr.assign(mp * d, 0.f);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t t = it.t_begin + r / group, head = it.g * group + r % group;
@@ -379,16 +428,34 @@ void attend_item(void* ctx, int64_t index) {
   const int64_t min_pos = j.token_pos[it.t_begin], max_pos = j.token_pos[it.t_end - 1];
   const int64_t* table = j.tables + it.seq * j.max_blocks;
   const int64_t row_stride = j.num_kv_heads * d;
-  const float* k = j.k + it.g * d;
-  const float* v = j.v + it.g * d;
+  // A bfloat16 cache: each tile's key and value rows widened into kw / vw (rows j * d).
+  const bool bf16 = j.k16 != nullptr;
+  const float* k = bf16 ? kw.data() : j.k + it.g * d;
+  const float* v = bf16 ? vw.data() : j.v + it.g * d;
+  const uint16_t* k16 = bf16 ? j.k16 + it.g * d : nullptr;
+  const uint16_t* v16 = bf16 ? j.v16 + it.g * d : nullptr;
+  if (bf16) {
+    kw.resize(kKeyTile * d);
+    vw.resize(kKeyTile * d);
+    wide_off.resize(kKeyTile);
+    for (int64_t jj = 0; jj < kKeyTile; ++jj) wide_off[jj] = jj * d;
+    k = kw.data(), v = vw.data();
+  }
+  const int64_t* tile_off = bf16 ? wide_off.data() : off.data();
   const f32x16 neg_inf = f32x16{} - INFINITY;
   for (int64_t kb = it.k_lo; kb <= it.k_hi; kb += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, it.k_hi + 1 - kb);
     key_offsets(table, j.block_size, kb, nk, row_stride, off.data());
+    if (bf16) {
+      for (int64_t jj = 0; jj < nk; ++jj) {
+        widen_bf16(k16 + off[jj], kw.data() + jj * d, d);
+        widen_bf16(v16 + off[jj], vw.data() + jj * d, d);
+      }
+    }
     if (narrow) {
-      scores_narrow(qr.data(), m, mp, k, off.data(), nk, d, st.data());
+      scores_narrow(qr.data(), m, mp, k, tile_off, nk, d, st.data());
     } else {
-      scores_wide(qt.data(), mp, k, off.data(), nk, d, st.data());
+      scores_wide(qt.data(), mp, k, tile_off, nk, d, st.data());
     }
     // Causal and window masks, only on tiles some row does not see whole.
     const bool whole = kb + nk - 1 <= min_pos && (j.window == 0 || kb > max_pos - j.window);
@@ -429,7 +496,7 @@ void attend_item(void* ctx, int64_t index) {
       store16(mv.data() + rv, m_new);
       store16(av.data() + rv, alpha);
     }
-    pv(st.data(), m, mp, v, off.data(), nk, d, av.data(), o.data());
+    pv(st.data(), m, mp, v, tile_off, nk, d, av.data(), o.data());
   }
   if (it.partial < 0) {
     for (int64_t r = 0; r < m; ++r) {
@@ -481,6 +548,7 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
   const int64_t kvh = k_cache.shape()[2], block_size = k_cache.shape()[1];
   check_cache(k_cache, "k_cache", kvh, d);
   check_cache(v_cache, "v_cache", kvh, d);
+  PD_CHECK(k_cache.dtype() == v_cache.dtype(), "k_cache and v_cache must have one dtype");
   PD_CHECK(h % kvh == 0, "num_heads ", h, " is not a multiple of the cache's ", kvh, " KV heads");
   PD_CHECK(query_start.dtype() == paddle::DataType::INT64 && seq_lens.dtype() == paddle::DataType::INT64 &&
                block_tables.dtype() == paddle::DataType::INT64,
@@ -551,10 +619,27 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
   const int64_t rows_max = tokens_per_item * group;
   std::vector<float> part_o(partials * rows_max * d), part_ml(partials * rows_max * 2);
   const paddle::Tensor q = q_in.contiguous();
-  AttentionJob job{q.data<float>(), k_cache.data<float>(), v_cache.data<float>(), token_pos.data(), tables,
-                   max_blocks,      block_size,            h,                     kvh,              d,
-                   sliding_window,  group,                 rows_max,              scale,            out,
-                   work.data(),     part_o.data(),         part_ml.data()};
+  const bool bf16 = is_bf16(k_cache);
+  AttentionJob job{q.data<float>(),
+                   bf16 ? nullptr : k_cache.data<float>(),
+                   bf16 ? nullptr : v_cache.data<float>(),
+                   bf16 ? static_cast<const uint16_t*>(k_cache.data()) : nullptr,
+                   bf16 ? static_cast<const uint16_t*>(v_cache.data()) : nullptr,
+                   token_pos.data(),
+                   tables,
+                   max_blocks,
+                   block_size,
+                   h,
+                   kvh,
+                   d,
+                   sliding_window,
+                   group,
+                   rows_max,
+                   scale,
+                   out,
+                   work.data(),
+                   part_o.data(),
+                   part_ml.data()};
   fd_kernels::Pool::instance().run(static_cast<int64_t>(work.size()), attend_item, &job);
   for (const Split& s : splits) combine_partials(job, items[s.item], s.first, s.count);
 }

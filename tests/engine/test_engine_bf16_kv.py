@@ -1,0 +1,203 @@
+"""``--kv-cache-dtype bfloat16`` (alias ``bf16``) on a tiny random GQA Llama, against transformers.
+
+The reference is the same transformers model with an attention function that rounds the keys
+(after rotary) and the values to bfloat16 (torch rounds to nearest even) before the float32
+eager attention: exactly what the engine's cache stores and reads back. The engine's greedy
+tokens must equal that reference's. The engine's rotated keys come from another float32
+computation than transformers' (fused multiply-adds, projection summation order), so a key can
+round to the neighbouring bfloat16 now and then: logprobs are compared within a bound
+(LOGPROB_TOL) that the float32 model's distance to the reference exceeds tenfold (the test's
+premise: a flag that changed nothing fails it). Captured decode steps stay on and are checked
+to be replayed. Also: the same cache memory holds twice the blocks, and the refusals.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy_core.config import EngineArgs
+from fastdeploy_core.engine.engine_core import EngineCore
+from fastdeploy_core.engine.outputs import EngineCoreRequest
+from fastdeploy_core.engine.sampling_params import SamplingParams
+from fastdeploy_core.errors import ConfigError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tests.engine.test_engine_tiny import _save_tiny as save_tiny  # noqa: E402
+
+MAX_NEW = 16
+PROMPTS = [
+    [5, 9, 17, 33, 2, 7, 100, 64, 3],
+    [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110],
+    [1],
+    [12, 12, 12, 12, 30],
+]
+#: The engine against the reference rounding K/V like it: measured 6e-6 on the kernels and 5e-4
+#: on the reference ops (whose rotary rounds a key to the neighbouring bfloat16 somewhere); the
+#: float32 model is 0.06 away, and must stay >= 10x farther than this bound.
+LOGPROB_TOL = 3e-3
+_ATTENTION = "fd_test_bf16_kv"
+
+
+def _bf16_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    def rounded(t):
+        return t.to(torch.bfloat16).to(torch.float32)
+
+    return eager_attention_forward(module, query, rounded(key), rounded(value), attention_mask, **kwargs)
+
+
+def _reference(model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and the log-softmax rows that chose them."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        new = out[0, len(prompt) :].tolist()
+        logits = model(out).logits[0].double()
+    rows = torch.log_softmax(logits, dim=-1).numpy()[len(prompt) - 1 : len(prompt) - 1 + MAX_NEW]
+    return new, rows
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, float32 reference per prompt, bf16-KV reference per prompt)."""
+    path = str(tmp_path_factory.mktemp("bf16kv"))
+    model = save_tiny(path, {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False})
+    model.set_attn_implementation("eager")
+    f32 = [_reference(model, p) for p in PROMPTS]
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    transformers.AttentionInterface.register(_ATTENTION, _bf16_kv_attention)
+    AttentionMaskInterface.register(_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])  # eager's additive mask
+    model.set_attn_implementation(_ATTENTION)
+    bf16 = [_reference(model, p) for p in PROMPTS]
+    return path, f32, bf16
+
+
+def _core(path: str, **kw) -> EngineCore:
+    settings = {"model": path, "max_model_len": 128, "block_size": 4, "num_gpu_blocks_override": 256, **kw}
+    return EngineCore(EngineArgs.create(**settings))
+
+
+def _run(core: EngineCore) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
+    outs: dict = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    return outs
+
+
+@pytest.mark.parametrize("spelling", ["bfloat16", "bf16"])
+def test_bf16_kv_engine_matches_transformers_rounding_k_and_v(tiny, spelling):
+    path, f32, bf16 = tiny
+    core = _core(path, kv_cache_dtype=spelling)
+    info = core.runner.describe()
+    assert info["kv_cache_spec"]["dtype"] == "bfloat16"
+    assert all(t.dtype == paddle.bfloat16 for layer in core.runner.kv_caches for t in layer)
+    outs = _run(core)
+    assert core.runner.graphs is not None and core.runner.graphs.captured_sizes, "no decode step was replayed"
+    engine_gap = f32_gap = 0.0
+    for i in range(len(PROMPTS)):
+        got = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
+        ref_tokens, ref_rows = bf16[i]
+        assert got == ref_tokens, f"prompt {i}"
+        lps = [lp for o in outs[f"r{i}"] for lp in o.new_logprobs]
+        for k, lp in enumerate(lps):
+            engine_gap = max(engine_gap, abs(lp[got[k]] - ref_rows[k][got[k]]))
+            if f32[i][0][: k + 1] == got[: k + 1]:  # the float32 model chose the same tokens so far
+                f32_gap = max(f32_gap, abs(f32[i][1][k][got[k]] - ref_rows[k][got[k]]))
+    assert engine_gap < LOGPROB_TOL, engine_gap
+    # The premise: rounding K/V moves logprobs far more than the engine's distance to the reference.
+    assert f32_gap > 10 * LOGPROB_TOL, f32_gap
+    # The cache really holds what was written (non-zero bfloat16 entries).
+    assert float(core.runner.kv_caches[0][0].astype("float32").abs().max()) > 0
+
+
+def test_chunked_prompts_and_prefix_hits_give_the_same_tokens(tiny):
+    path, _, bf16 = tiny
+    outs = _run(_core(path, kv_cache_dtype="bf16", max_num_batched_tokens=5, enforce_eager=True))
+    for i in range(len(PROMPTS)):
+        assert [t for o in outs[f"r{i}"] for t in o.new_token_ids] == bf16[i][0], f"prompt {i}"
+    core = _core(path, kv_cache_dtype="bf16")
+    _run(core)
+    again = _run(core)  # every prompt's full blocks come from the prefix cache this time
+    for i in range(len(PROMPTS)):
+        assert [t for o in again[f"r{i}"] for t in o.new_token_ids] == bf16[i][0], f"prompt {i} (prefix hit)"
+    assert again["r1"][0].num_cached_tokens >= 16
+
+
+def test_the_same_cache_memory_holds_twice_the_blocks(tiny, caplog):
+    path, _, _ = tiny
+    f32_per_block = _core(path).runner.bytes_per_block
+    budget = 50 * f32_per_block
+    with caplog.at_level(logging.INFO, logger="fastdeploy_core.executor.model_runner"):
+        f32 = _core(path, num_gpu_blocks_override=None, kv_cache_memory=budget)
+        bf16 = _core(path, num_gpu_blocks_override=None, kv_cache_memory=budget, kv_cache_dtype="bfloat16")
+    assert bf16.runner.bytes_per_block * 2 == f32_per_block
+    assert (f32.runner.num_blocks, bf16.runner.num_blocks) == (50, 100)
+    assert (f32.block_manager.num_blocks, bf16.block_manager.num_blocks) == (50, 100)
+    assert bf16.runner.describe()["kv_cache_bytes"] == f32.runner.describe()["kv_cache_bytes"] == budget
+    assert bf16.runner.describe()["kv_cache_spec"]["bytes_per_token_per_layer"] == 2 * 2 * 16 * 2  # K+V, 2 heads x 16
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
+    assert lines[0].startswith("KV cache: 50 blocks of 4 tokens (float32, ")
+    assert lines[1].startswith("KV cache: 100 blocks of 4 tokens (bfloat16, ")
+    k = bf16.runner.kv_caches[0][0]
+    assert k.dtype == paddle.bfloat16 and list(k.shape) == [100, 4, 2, 16]
+
+
+def test_refusals_name_kv_cache_dtype(tiny):
+    path, _, _ = tiny
+    refusal = "kv_cache_dtype: bfloat16 stores K/V as bfloat16, and quantization 'wint8'"
+    with pytest.raises(ConfigError, match=refusal) as info:
+        _core(path, kv_cache_dtype="bf16", quantization='{"quantization": "wint8", "kv_cache_quant_type": "int8"}')
+    assert info.value.param == "kv_cache_dtype"
+    with pytest.raises(ConfigError, match="kv_cache_dtype") as info:
+        EngineArgs.create(model=path, kv_cache_dtype="fp8")
+    assert info.value.param == "kv_cache_dtype"
+
+
+
+def test_bf16_kv_goes_with_bf16_linears_and_weight_only_quantization(tiny):
+    """Methods without a KV cache of their own, and --dtype bfloat16, combine with it: the
+    caches are bfloat16 and the tokens stay within reach of the float32 ones (a few near-ties
+    may flip late tokens, so the first four are compared)."""
+    path, _, bf16 = tiny
+    for settings in ({"quantization": "wint8"}, {"dtype": "bfloat16"}):
+        core = _core(path, kv_cache_dtype="bf16", **settings)
+        assert core.runner.describe()["kv_cache_spec"]["dtype"] == "bfloat16"
+        outs = _run(core)
+        for i in range(len(PROMPTS)):
+            assert [t for o in outs[f"r{i}"] for t in o.new_token_ids][:4] == bf16[i][0][:4], (settings, i)
+
+
+def test_the_reference_ops_give_the_same_tokens(tiny, monkeypatch):
+    """Without the C++ kernels (the plain-Paddle ReferenceOps write and widen the bfloat16 cache)
+    the engine gives the same greedy tokens as transformers rounding K/V."""
+    from fastdeploy_core.builtin.cpu.ops import CpuOps
+
+    path, _, bf16 = tiny
+    monkeypatch.setattr(CpuOps, "_ready", lambda self: False)
+    monkeypatch.setattr(CpuOps, "_have_kernels", False)
+    core = _core(path, kv_cache_dtype="bf16")
+    assert not core.runner.ops.ragged_attention  # the reference's padded attention, not the kernels
+    outs = _run(core)
+    for i in range(len(PROMPTS)):
+        got = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
+        assert got == bf16[i][0], f"prompt {i}"
+        rows = bf16[i][1]
+        lps = [lp for o in outs[f"r{i}"] for lp in o.new_logprobs]
+        assert max(abs(lp[got[k]] - rows[k][got[k]]) for k, lp in enumerate(lps)) < LOGPROB_TOL
