@@ -18,24 +18,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import numpy as np
 import pytest
 
-from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.engine.engine_core import EngineCore
-from fastdeploy_core.engine.outputs import EngineCoreRequest
-from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.errors import ConfigError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tests.engine.test_engine_tiny import _save_tiny as save_tiny  # noqa: E402
+from tests.engine.tiny_reference import PROMPTS, engine_core, greedy_reference, run_prompts  # noqa: E402
 
 MAX_NEW = 12
-PROMPTS = [
-    [5, 9, 17, 33, 2, 7, 100, 64, 3],
-    [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110],
-    [1],
-    [12, 12, 12, 12, 30],
-]
 #: The engine against the emulating reference: float32 summation order only (measured ~1e-6;
 #: the float32 engine is 0.08-0.12 away from the emulation, and fails this test).
 LOGPROB_TOL = 1e-4
@@ -59,15 +51,7 @@ def _emulate_bf16_linears(model):
 
 
 def _reference(model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens and the log-softmax rows that chose them."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        new = out[0, len(prompt) :].tolist()
-        logits = model(out).logits[0].double()
-    rows = torch.log_softmax(logits, dim=-1).numpy()[len(prompt) - 1 : len(prompt) - 1 + MAX_NEW]
-    return new, rows
+    return greedy_reference(model, prompt, MAX_NEW)
 
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
@@ -80,20 +64,11 @@ def tiny(request, tmp_path_factory):
     return path, f32, bf16
 
 
-def _core(path: str, **kw) -> EngineCore:
-    settings = {"model": path, "max_model_len": 128, "block_size": 4, "num_gpu_blocks_override": 256, **kw}
-    return EngineCore(EngineArgs.create(**settings))
+_core = engine_core
 
 
 def _run(core: EngineCore) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
-    for i, prompt in enumerate(PROMPTS):
-        core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
-    outs: dict = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            outs.setdefault(out.request_id, []).append(out)
-    return outs
+    return run_prompts(core, MAX_NEW)
 
 
 def test_bf16_engine_matches_transformers_emulating_bf16_linears(tiny):

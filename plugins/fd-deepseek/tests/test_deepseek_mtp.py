@@ -7,7 +7,6 @@ preemption, seeded sampling), frees every block, and in a model built so that th
 agree with the target every draft is accepted; the settings it cannot honour are refused.
 """
 
-import json
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -18,7 +17,7 @@ import pytest
 import torch
 from fd_deepseek.deepseek import DeepseekV3ForCausalLM
 from safetensors.torch import load_file, save_file
-from test_deepseek_tiny_configs import BASE, CASES, PROMPTS, _hf_model, _load
+from test_deepseek_tiny_configs import PROMPTS, _hf_model, _load, add_mtp_layer
 
 from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.devices.current import set_current_ops
@@ -39,42 +38,10 @@ MORE_PROMPTS = [*PROMPTS, [1, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56
 def _save_with_mtp(tmp_path_factory, name: str, tag: str):
     """transformers' DeepSeek-V3 ``name`` plus one random ``MtpLayer`` saved as ``model.layers.{N}``
     in DeepSeek's names: (path, the HF model, the HF MTP layer)."""
-    from transformers.modeling_layers import MtpLayer
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
-
     hf_model = _hf_model(name)
     path = str(tmp_path_factory.mktemp(f"mtp_{tag}"))
     hf_model.save_pretrained(path, safe_serialization=True)
-    torch.manual_seed(99)
-    mtp = MtpLayer(hf_model.config.get_mtp_config(), DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0).eval()
-    with torch.no_grad():  # every tensor, the fused experts' too (MtpLayer leaves those uninitialised)
-        for value in mtp.state_dict().values():
-            if value.is_floating_point():
-                value.copy_(torch.randn_like(value) * 0.2)
-    first = hf_model.config.num_hidden_layers
-    tensors = {}
-    for key, value in mtp.state_dict().items():
-        key = key.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
-        prefix = f"model.layers.{first}.{key.rsplit('.', 1)[0]}"
-        if key.endswith("experts.gate_up_proj"):  # transformers' in-memory layout -> DeepSeek's per-expert names
-            for e, gate_up in enumerate(value):
-                gate, up = gate_up.chunk(2, dim=0)
-                tensors[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
-                tensors[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
-        elif key.endswith("experts.down_proj"):
-            for e, down in enumerate(value):
-                tensors[f"{prefix}.{e}.down_proj.weight"] = down.contiguous()
-        else:
-            tensors[f"model.layers.{first}.{key}"] = value.detach().clone().contiguous()
-    tensors[f"model.layers.{first}.embed_tokens.weight"] = hf_model.model.embed_tokens.weight.detach().clone()
-    tensors[f"model.layers.{first}.shared_head.head.weight"] = hf_model.lm_head.weight.detach().clone()
-    file = os.path.join(path, "model.safetensors")
-    save_file({**load_file(file), **tensors}, file, metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["num_nextn_predict_layers"] = 1
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    _, mtp = add_mtp_layer(path, hf_model)
     return path, hf_model, mtp
 
 

@@ -247,20 +247,22 @@ def test_inconsistent_mla_dimensions_are_load_errors(tmp_path_factory):
         _load(path, v_head_dim=8)
 
 
-def _mtp_checkpoint(tmp_path_factory, name: str) -> tuple[str, dict]:
-    """The checkpoint of ``name`` plus one MTP layer at ``model.layers.{N}`` in DeepSeek's names."""
-    path, hf_model = _checkpoint(tmp_path_factory, name)
+def add_mtp_layer(path: str, hf_model):
+    """Save one random transformers ``MtpLayer`` into the checkpoint at ``path`` (of ``hf_model``)
+    as ``model.layers.{N}`` in DeepSeek's names, and set ``num_nextn_predict_layers``: (the
+    tensors added, the HF MTP layer holding the same values)."""
     from transformers.modeling_layers import MtpLayer
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
     torch.manual_seed(99)
-    config = hf_model.config.get_mtp_config()
-    mtp = MtpLayer(config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0)
+    mtp = MtpLayer(hf_model.config.get_mtp_config(), DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0).eval()
+    with torch.no_grad():  # every tensor, the fused experts' too (MtpLayer leaves those uninitialised)
+        for value in mtp.state_dict().values():
+            if value.is_floating_point():
+                value.copy_(torch.randn_like(value) * 0.2)
     first = hf_model.config.num_hidden_layers
     tensors = {}
     for key, value in mtp.state_dict().items():
-        # every float tensor: MtpLayer leaves its fused experts (gate_up_proj, down_proj) uninitialised
-        value = torch.randn_like(value) * 0.2 if value.is_floating_point() else value
         key = key.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
         prefix = f"model.layers.{first}.{key.rsplit('.', 1)[0]}"
         if key.endswith("experts.gate_up_proj"):  # transformers' in-memory layout -> DeepSeek's per-expert names
@@ -272,17 +274,23 @@ def _mtp_checkpoint(tmp_path_factory, name: str) -> tuple[str, dict]:
             for e, down in enumerate(value):
                 tensors[f"{prefix}.{e}.down_proj.weight"] = down.contiguous()
         else:
-            tensors[f"model.layers.{first}.{key}"] = value.contiguous()
+            tensors[f"model.layers.{first}.{key}"] = value.detach().clone().contiguous()
     tensors[f"model.layers.{first}.embed_tokens.weight"] = hf_model.model.embed_tokens.weight.detach().clone()
     tensors[f"model.layers.{first}.shared_head.head.weight"] = hf_model.lm_head.weight.detach().clone()
     file = os.path.join(path, "model.safetensors")
-    merged = {**load_file(file), **tensors}
-    save_file(merged, file, metadata={"format": "pt"})
+    save_file({**load_file(file), **tensors}, file, metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     cfg["num_nextn_predict_layers"] = 1
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
+    return tensors, mtp
+
+
+def _mtp_checkpoint(tmp_path_factory, name: str) -> tuple[str, dict]:
+    """The checkpoint of ``name`` plus one MTP layer at ``model.layers.{N}`` in DeepSeek's names."""
+    path, hf_model = _checkpoint(tmp_path_factory, name)
+    tensors, _ = add_mtp_layer(path, hf_model)
     return path, tensors
 
 
