@@ -197,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
     parser.add_argument("--profile", action="store_true", help="CPU time per op group during the prefill")
     parser.add_argument("--warmup", type=int, default=256, help="prompt tokens of one untimed warm-up request")
+    parser.add_argument("--warm-each", action="store_true",
+                        help="run each length once untimed before timing it (as the vLLM side does)")
     parser.add_argument("--out", default=None, help="write the rows and the run stamp here (JSON)")
     parser.add_argument(
         "--kernel", action="store_true", help="time one layer's attention kernel only (see kernel_rows)"
@@ -231,6 +233,8 @@ def main(argv=None) -> int:
         run_length(engine, args.warmup, 2, seed=99, timer=None)
     rows = []
     for i, length in enumerate(args.lengths):
+        if args.warm_each:
+            run_length(engine, length, 2, seed=i, timer=None)
         row = run_length(engine, length, args.decode_tokens, seed=i, timer=timer)
         rows.append(row)
         print(json.dumps(row), flush=True)

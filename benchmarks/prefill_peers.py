@@ -10,7 +10,9 @@ caching off, greedy, eos ignored, 2 threads:
   float32 export of the default model made by ``export_hf_fp32.py``; ``VLLM_CPU_KVCACHE_SPACE=4``,
   ``VLLM_CPU_OMP_THREADS_BIND=0-1``, Intel's OpenMP preloaded as vLLM's CPU docs advise).
 
-Every engine runs in a process of its own, one after the other, so none competes with another.
+Every engine runs in a process of its own, one after the other, so none competes with another;
+each runs every length once untimed before timing it (vLLM's first forward at a new length costs
+more than the next ones).
 Wall clock and CPU seconds of the process (all threads) are both recorded; on a shared machine
 the CPU seconds are the figure to compare. Writes ``benchmarks/results/prefill_peers.json``
 (stamped with the CPU model, its matrix features, the load average and the peer's version) and
@@ -43,7 +45,7 @@ def _rows(cmd: list[str], env: dict) -> list[dict]:
 
 def ours(lengths: list[int], decode_tokens: int, extra: list[str]) -> list[dict]:
     cmd = [sys.executable, os.path.join(HERE, "long_context.py"), *map(str, lengths),
-           "--decode-tokens", str(decode_tokens), *extra]
+           "--decode-tokens", str(decode_tokens), "--warm-each", *extra]
     return _rows(cmd, {**os.environ, "OMP_NUM_THREADS": "2"})
 
 
