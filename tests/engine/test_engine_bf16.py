@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tests.engine.test_engine_tiny import _save_tiny as save_tiny  # noqa: E402
-from tests.engine.tiny_reference import PROMPTS, engine_core, greedy_reference, run_prompts  # noqa: E402
+from tests.engine.tiny_reference import PROMPTS, engine_core, greedy_reference, logprob_gaps, run_prompts  # noqa: E402
 
 MAX_NEW = 12
 #: The engine against the emulating reference: float32 summation order only (measured ~1e-6;
@@ -79,16 +79,7 @@ def test_bf16_engine_matches_transformers_emulating_bf16_linears(tiny):
     outs = _run(core)
     assert info["graph_capture"].startswith("decode batch sizes"), info["graph_capture"]
     assert core.runner.graphs.captured_sizes, "no decode step was captured and replayed"
-    engine_gap = f32_gap = 0.0
-    for i, prompt in enumerate(PROMPTS):
-        got = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
-        ref_tokens, ref_rows = bf16[i]
-        assert got == ref_tokens, f"prompt {i}"
-        lps = [lp for o in outs[f"r{i}"] for lp in o.new_logprobs]
-        for k, lp in enumerate(lps):
-            engine_gap = max(engine_gap, abs(lp[got[k]] - ref_rows[k][got[k]]))
-            if f32[i][0][: k + 1] == got[: k + 1]:  # the float32 model chose the same tokens so far
-                f32_gap = max(f32_gap, abs(f32[i][1][k][got[k]] - ref_rows[k][got[k]]))
+    engine_gap, f32_gap = logprob_gaps(outs, bf16, f32)
     assert engine_gap < LOGPROB_TOL
     # The premise: bfloat16 moves logprobs far more than the engine's distance to the emulation.
     assert f32_gap > 10 * LOGPROB_TOL, f32_gap

@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tests.engine.test_engine_tiny import _save_tiny as save_tiny  # noqa: E402
-from tests.engine.tiny_reference import PROMPTS, engine_core, greedy_reference, run_prompts  # noqa: E402
+from tests.engine.tiny_reference import PROMPTS, engine_core, greedy_reference, logprob_gaps, run_prompts  # noqa: E402
 
 MAX_NEW = 16
 #: The engine against the reference rounding K/V like it: measured 6e-6 on the kernels and 5e-4
@@ -87,16 +87,7 @@ def test_bf16_kv_engine_matches_transformers_rounding_k_and_v(tiny, spelling):
     assert all(t.dtype == paddle.bfloat16 for layer in core.runner.kv_caches for t in layer)
     outs = _run(core)
     assert core.runner.graphs is not None and core.runner.graphs.captured_sizes, "no decode step was replayed"
-    engine_gap = f32_gap = 0.0
-    for i in range(len(PROMPTS)):
-        got = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
-        ref_tokens, ref_rows = bf16[i]
-        assert got == ref_tokens, f"prompt {i}"
-        lps = [lp for o in outs[f"r{i}"] for lp in o.new_logprobs]
-        for k, lp in enumerate(lps):
-            engine_gap = max(engine_gap, abs(lp[got[k]] - ref_rows[k][got[k]]))
-            if f32[i][0][: k + 1] == got[: k + 1]:  # the float32 model chose the same tokens so far
-                f32_gap = max(f32_gap, abs(f32[i][1][k][got[k]] - ref_rows[k][got[k]]))
+    engine_gap, f32_gap = logprob_gaps(outs, bf16, f32)
     assert engine_gap < LOGPROB_TOL, engine_gap
     # The premise: rounding K/V moves logprobs far more than the engine's distance to the reference.
     assert f32_gap > 10 * LOGPROB_TOL, f32_gap

@@ -48,3 +48,21 @@ def run_prompts(core: EngineCore, max_new: int, prompts: list[list[int]] = PROMP
         for out in core.step():
             outs.setdefault(out.request_id, []).append(out)
     return outs
+
+
+def logprob_gaps(outs: dict, reference: list, float32: list) -> tuple[float, float]:
+    """Assert each prompt's tokens equal ``reference``'s; return the largest gap between the
+    engine's chosen-token logprobs and the reference's, and between float32's and the
+    reference's (over the tokens float32 chose alike so far). ``reference`` / ``float32``: a
+    :func:`greedy_reference` per prompt."""
+    engine_gap = f32_gap = 0.0
+    for i in range(len(reference)):
+        got = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
+        ref_tokens, ref_rows = reference[i]
+        assert got == ref_tokens, f"prompt {i}"
+        lps = [lp for o in outs[f"r{i}"] for lp in o.new_logprobs]
+        for k, lp in enumerate(lps):
+            engine_gap = max(engine_gap, abs(lp[got[k]] - ref_rows[k][got[k]]))
+            if float32[i][0][: k + 1] == got[: k + 1]:  # the float32 model chose the same tokens so far
+                f32_gap = max(f32_gap, abs(float32[i][1][k][got[k]] - ref_rows[k][got[k]]))
+    return engine_gap, f32_gap
