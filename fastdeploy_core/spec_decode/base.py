@@ -121,3 +121,16 @@ class Proposer(ABC):
         if self.config.disable_by_batch_size is not None:
             shown.add("disable_by_batch_size")
         return self.config.model_dump(include=shown)
+
+
+def pack_chunks(rows: list, budget: int, remaining) -> list[tuple[Any, int]]:
+    """The next step of a proposer's catch-up: ``(row, n)`` for the leading ``rows``, each taking
+    ``min(remaining(row), what is left of budget)`` tokens, until the step's token budget is spent."""
+    step = []
+    for row in rows:
+        if budget <= 0:
+            break
+        n = min(remaining(row), budget)
+        step.append((row, n))
+        budget -= n
+    return step

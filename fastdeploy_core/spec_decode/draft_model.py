@@ -39,7 +39,7 @@ from typing import Any
 from fastdeploy_core.config import EngineArgs, QuantizationConfig, SpeculativeConfig
 from fastdeploy_core.errors import ConfigError, FastDeployError, ModelLoadError
 from fastdeploy_core.executor.step_io import ScheduledRequest, SchedulerOutput
-from fastdeploy_core.spec_decode.base import DraftRequest, Proposer, ProposerContext
+from fastdeploy_core.spec_decode.base import DraftRequest, Proposer, ProposerContext, pack_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -228,14 +228,7 @@ class DraftModelProposer(Proposer):
         # Catch up on the tokens the draft has not seen; a row's last chunk gives its first guess.
         pending = rows
         while pending:
-            budget = self.max_num_batched_tokens
-            step: list[tuple[_Row, int]] = []
-            for row in pending:
-                if budget <= 0:
-                    break
-                n = min(len(row.tokens) - row.computed, budget)
-                step.append((row, n))
-                budget -= n
+            step = pack_chunks(pending, self.max_num_batched_tokens, lambda row: len(row.tokens) - row.computed)
             self._run(step)
             pending = [row for row in pending if not row.drafts]
         # Then each guess is fed back for the next one.

@@ -54,7 +54,7 @@ import paddle
 from fastdeploy_core.config import EngineArgs, SpeculativeConfig
 from fastdeploy_core.errors import ConfigError
 from fastdeploy_core.executor.forward_meta import ForwardMeta
-from fastdeploy_core.spec_decode.base import DraftRequest, Proposer, ProposerContext
+from fastdeploy_core.spec_decode.base import DraftRequest, Proposer, ProposerContext, pack_chunks
 
 
 @dataclass
@@ -217,14 +217,7 @@ class MtpProposer(Proposer):
         # Catch up on the rows the target's hidden states feed; a row's last one gives its first guess.
         pending = rows
         while pending:
-            budget = self.max_num_batched_tokens
-            step: list[tuple[_Row, int]] = []
-            for row in pending:
-                if budget <= 0:
-                    break
-                n = min(row.last + 1 - row.next, budget)
-                step.append((row, n))
-                budget -= n
+            step = pack_chunks(pending, self.max_num_batched_tokens, lambda row: row.last + 1 - row.next)
             previous = paddle.concat([row.state.rows(row.next, n) for row, n in step], axis=0)
             tokens = [row.request.token_ids[row.next + 1 : row.next + 1 + n] for row, n in step]
             hidden = self._forward(step, tokens, previous, caches)
