@@ -148,15 +148,16 @@ def _time_attention(case, first: int, count: int) -> float:
         tables,
     )
     start = time.process_time()
-    kernels.fd_rope_paged_attention(qkv, *args, *step, heads, kv_heads, d**-0.5, 0)
+    kernels.fd_rope_paged_attention(qkv, *args, *step, heads, kv_heads, d**-0.5, 0, 0)
     return time.process_time() - start
 
 
-def kernel_rows(lengths: list[int], repeats: int) -> list[dict]:
+def kernel_rows(lengths: list[int], repeats: int, kv_dtype: str = "float32") -> list[dict]:
     """CPU time of one layer's ``fd_rope_paged_attention`` at the default model's shape (9 query
     heads, 3 KV heads, head size 64, 64-token blocks): a whole prompt of each length in one call,
     and one decode token over that many keys. Runs with whichever ``fastdeploy_core`` is first on
-    the path, so the same script times two versions of the kernel in alternating processes."""
+    the path, so the same script times two versions of the kernel in alternating processes.
+    ``kv_dtype`` bfloat16: the caches hold bfloat16 (``--kv-cache-dtype bfloat16``)."""
     import numpy as np
     import paddle
 
@@ -169,8 +170,8 @@ def kernel_rows(lengths: list[int], repeats: int) -> list[dict]:
     rows = []
     for n in lengths:
         blocks = -(-(n + 1) // bs)
-        k = paddle.to_tensor(rng.standard_normal((blocks, bs, kv_heads, d)).astype(np.float32))
-        v = paddle.to_tensor(rng.standard_normal((blocks, bs, kv_heads, d)).astype(np.float32))
+        k = paddle.to_tensor(rng.standard_normal((blocks, bs, kv_heads, d)).astype(np.float32)).astype(kv_dtype)
+        v = paddle.to_tensor(rng.standard_normal((blocks, bs, kv_heads, d)).astype(np.float32)).astype(kv_dtype)
         tables = paddle.to_tensor(rng.permutation(blocks).astype(np.int64).reshape(1, blocks))
         cos_sin = paddle.to_tensor(cos_sin_cache(d, n + 1).astype(np.float32))
 
@@ -182,6 +183,7 @@ def kernel_rows(lengths: list[int], repeats: int) -> list[dict]:
                 "keys": n,
                 "prefill_layer_cpu_ms": round(1000 * prefill, 2),
                 "decode_layer_cpu_ms": round(1000 * decode, 3),
+                "kv_dtype": kv_dtype,
                 "load": _load(),
             }
         )
@@ -206,7 +208,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="--kernel: best of this many calls")
     args = parser.parse_args(argv)
     if args.kernel:
-        for row in kernel_rows(args.lengths, args.repeats):
+        kv_dtype = "bfloat16" if args.kv_cache_dtype in ("bfloat16", "bf16") else "float32"
+        for row in kernel_rows(args.lengths, args.repeats, kv_dtype):
             print(json.dumps(row), flush=True)
         return 0
 

@@ -137,7 +137,12 @@ class FusedOps(ReferenceOps):
         batch, max_q, max_kv = state["batch"], state["max_q"], state["max_kv"]
         k = paddle.index_select(k_cache, state["block_ids"], axis=0).reshape([batch, max_kv, num_kv_heads, head_dim])
         v = paddle.index_select(v_cache, state["block_ids"], axis=0).reshape([batch, max_kv, num_kv_heads, head_dim])
-        if k.dtype != q.dtype:  # a bfloat16 cache under float32 activations: widened as read
+        if k.dtype != q.dtype:
+            # A bfloat16 cache under float32 activations: widened as read, and the scaled queries
+            # rounded to bfloat16 as the reference's formula does (its softmax weights are rounded
+            # too, which this fused call cannot do: within the conformance kit's bound for that).
+            q = (q * scale).astype(k.dtype).astype(q.dtype)
+            scale = 1.0
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         if state["pad_rows"] is not None:
             q = paddle.index_select(q, state["pad_rows"], axis=0)

@@ -426,7 +426,10 @@ class ReferenceOps:
         per-request loop: the batch is padded to ``[B, max_q]`` queries over ``[B, max_kv]``
         cache positions gathered block-wise from ``meta.block_tables``, with a mask
         ``kv_pos <= q_pos``. Returns ``[T, h, d]``. Caches of a narrower dtype than ``q``
-        (bfloat16) are widened to ``q``'s dtype as they are gathered.
+        (bfloat16) are widened to ``q``'s dtype as they are gathered, and attention over them
+        multiplies in that dtype: the scaled queries and the softmax weights are rounded to it
+        (nearest, ties to even) before their products, which are added in ``q``'s dtype (what
+        vLLM's and flash-attention's bfloat16 kernels compute; the softmax itself stays float32).
         """
         key = "paged_reference" if not sliding_window else f"paged_reference/window={int(sliding_window)}"
         state = meta.attn_state.get(key)
@@ -445,29 +448,33 @@ class ReferenceOps:
         shape = [batch, num_kv_heads, max_kv, head_dim]
         k = paddle.index_select(_cache_view(k_cache, "_fd_row_view", 1), rows, axis=0).reshape(shape)
         v = paddle.index_select(_cache_view(v_cache, "_fd_row_view", 1), rows, axis=0).reshape(shape)
-        if k.dtype != q.dtype:
+        narrow = k.dtype if k.dtype != q.dtype else None
+        if narrow is not None:
             k, v = k.astype(q.dtype), v.astype(q.dtype)
+
+        def rounded(x):  # to the cache's dtype and back: the multiplies of a narrow cache
+            return x if narrow is None else x.astype(narrow).astype(x.dtype)
 
         if max_q == 1:
             # Decode: one query row per sequence, already in batch order. Query heads of one
             # KV head are adjacent (head i reads kv head i // group), so no repeat of K/V.
-            qg = (q * scale).reshape([batch, num_kv_heads, group, head_dim])
+            qg = rounded(q * scale).reshape([batch, num_kv_heads, group, head_dim])
             scores = paddle.matmul(qg, k, transpose_y=True)  # [B, kvh, g, max_kv]
             if state["mask"] is not None:
                 scores = scores + state["mask"]  # [B, 1, 1, max_kv]
-            probs = F.softmax(scores, axis=-1)
+            probs = rounded(F.softmax(scores, axis=-1))
             return paddle.matmul(probs, v).reshape([num_tokens, num_heads, head_dim])
 
         if state["pad_rows"] is not None:
             q = paddle.index_select(q, state["pad_rows"], axis=0)  # [B * max_q, h, d]
-        q = (q * scale).reshape([batch, max_q, num_kv_heads, group, head_dim])
+        q = rounded(q * scale).reshape([batch, max_q, num_kv_heads, group, head_dim])
         # Long prefills attend in query chunks so the score tensor stays bounded.
         chunk = max(1, self.max_score_elements // (batch * num_heads * max_kv))
         outs = []
         for start in range(0, max_q, chunk):
             stop = min(max_q, start + chunk)
             mask = self._score_mask(state, num_kv_heads, group, start, stop)
-            outs.append(self._prefill_attention(q[:, start:stop], k, v, mask))
+            outs.append(self._prefill_attention(q[:, start:stop], k, v, mask, rounded))
         out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=1)  # [B, max_q, h, d]
         out = out.reshape([batch * max_q, num_heads, head_dim])
         if state["unpad_rows"] is not None:
@@ -625,14 +632,17 @@ class ReferenceOps:
         return dense
 
     @staticmethod
-    def _prefill_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor) -> paddle.Tensor:
-        """``q [B, L, kvh, g, d]`` (pre-scaled) over ``k``/``v [B, kvh, S, d]`` -> ``[B, L, h, d]``."""
+    def _prefill_attention(
+        q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor, rounded=lambda x: x
+    ) -> paddle.Tensor:
+        """``q [B, L, kvh, g, d]`` (pre-scaled) over ``k``/``v [B, kvh, S, d]`` -> ``[B, L, h, d]``;
+        ``rounded`` is applied to the softmax weights before they multiply ``v``."""
         batch, length, num_kv_heads, group, head_dim = q.shape
         qg = q.transpose([0, 2, 3, 1, 4]).reshape([batch, num_kv_heads, group * length, head_dim])
         scores = paddle.matmul(qg, k, transpose_y=True)  # [B, kvh, g * L, S]
         max_kv = scores.shape[-1]
         scores = scores.reshape([batch, num_kv_heads, group, length, max_kv]) + mask
-        probs = F.softmax(scores, axis=-1).reshape([batch, num_kv_heads, group * length, max_kv])
+        probs = rounded(F.softmax(scores, axis=-1)).reshape([batch, num_kv_heads, group * length, max_kv])
         out = paddle.matmul(probs, v).reshape([batch, num_kv_heads, group, length, head_dim])
         return out.transpose([0, 3, 1, 2, 4]).reshape([batch, length, num_kv_heads * group, head_dim])
 

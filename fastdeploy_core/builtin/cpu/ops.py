@@ -317,6 +317,7 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             num_kv_heads,
             scale,
             int(sliding_window or 0),
+            self.bf16_path,
         )[0]
 
     def prepare_expert_weight(self, weight: paddle.Tensor) -> paddle.Tensor | None:

@@ -1,16 +1,21 @@
 """The cpu kernels over a bfloat16 KV cache (``--kv-cache-dtype bfloat16``).
 
-Attention reads a bfloat16 cache by widening each key tile's K and V rows to float32 and
-running the float32 tile code on them (queries stay float32); that is the one path, on every
-x86 CPU. So the kernels are held to exact statements:
+Attention over a bfloat16 cache multiplies in bfloat16 and adds in float32 (the scaled queries
+and the softmax weights rounded to bfloat16; ``csrc/bf16_attention.h``), by ``vdpbf16ps`` on CPUs
+with AVX-512 BF16 (path 2) or by widening the tiles to float32 (path 1, any CPU; path 0 picks the
+CPU's best). The kernels are held to:
 
 * ``fd_rope_write_kv`` into a bfloat16 cache stores the round-to-nearest-even bfloat16 of what
   it stores into a float32 cache (the same rotated keys, the same values), bit for bit;
-* ``fd_paged_attention`` over a bfloat16 cache gives, bit for bit, what it gives over a float32
-  cache holding the widened values, at short and long (thousands of keys, split over threads)
-  contexts;
+* both paths give the same attention (they add in different orders: float32 rounding apart,
+  and a weight whose rounding to bfloat16 tips the other way) at short and long (thousands of
+  keys, split over threads) contexts, the fused op the same as the two ops;
+* the formula on a case computed exactly beside it: rounded queries and rounded weights, each
+  rounding shown to matter;
 * the fused op and the cpu ops table agree with the reference ops on bfloat16 caches (the
   conformance kit's ``check_bf16_kv_cache``, short and >= 2k-token scenarios).
+
+The vdpbf16ps path runs only where the CPU has AVX-512 BF16; elsewhere its tests skip saying so.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import paddle
 import pytest
 
 from fastdeploy_core.builtin.cpu.device import CpuDevice
+from fastdeploy_core.builtin.cpu.kernels import has_avx512_bf16
 from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.testing import checks
 from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
@@ -86,9 +92,14 @@ SPECS = {
 }
 
 
+#: The attention paths this CPU runs: 1 (widen) everywhere, 2 (vdpbf16ps) with AVX-512 BF16.
+PATHS = [1, pytest.param(2, marks=pytest.mark.skipif(not has_avx512_bf16(),
+                                                      reason="this CPU has no AVX-512 BF16 (vdpbf16ps)"))]
+
+
 @pytest.mark.parametrize("specs", list(SPECS.values()), ids=list(SPECS))
 @pytest.mark.parametrize("window", [0, 300])
-def test_bf16_cache_is_the_rounded_float32_cache_bit_for_bit(specs, window, cpu_kernels):
+def test_bf16_cache_write_and_both_attention_paths(specs, window, cpu_kernels):
     meta, qkv, (k_bits, v_bits) = _case(specs)
     table = paddle.to_tensor(cos_sin_cache(D, 4096).astype(np.float32))
     scale = D**-0.5
@@ -107,24 +118,98 @@ def test_bf16_cache_is_the_rounded_float32_cache_bit_for_bit(specs, window, cpu_
     written = np.asarray(meta.slot_mapping.numpy())
     assert not np.array_equal(bits_of(bk).reshape(-1, KV_HEADS, D)[written], k_bits.reshape(-1, KV_HEADS, D)[written])
 
-    # Attention over the bfloat16 cache = attention over its widened float32 copy, bit for bit.
-    got = cpu_kernels.fd_paged_attention(bq, bk, bv, *_step(meta), scale, window)
-    wk, wv = paddle.to_tensor(widen(bits_of(bk))), paddle.to_tensor(widen(bits_of(bv)))
-    want = cpu_kernels.fd_paged_attention(bq, wk, wv, *_step(meta), scale, window)
-    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    # The two paths compute one formula: float32 rounding apart, bar a weight that rounds the
+    # other way to bfloat16 (within the kit's bound, and rare).
+    widened = cpu_kernels.fd_paged_attention(bq, bk, bv, *_step(meta), scale, window, 1).numpy()
+    auto = cpu_kernels.fd_paged_attention(bq, bk, bv, *_step(meta), scale, window, 0).numpy()
+    abs_v = bf16_tensor(rne_bf16(np.abs(widen(bits_of(bv)))))
+    weighted_abs = cpu_kernels.fd_paged_attention(bq, bk, abs_v, *_step(meta), scale, window, 1).numpy()
+    for path in (2,) if has_avx512_bf16() else ():
+        got = cpu_kernels.fd_paged_attention(bq, bk, bv, *_step(meta), scale, window, path).numpy()
+        checks.assert_within_weight_rounding(got, widened, weighted_abs, f"path {path} against path 1")
+        assert np.mean(np.isclose(got, widened, rtol=1e-5, atol=1e-6)) > 0.99
+        np.testing.assert_array_equal(auto, got)  # the CPU's best is vdpbf16ps here
+    if not has_avx512_bf16():
+        np.testing.assert_array_equal(auto, widened)
     # ... and not what the unrounded float32 cache gives (the rounding is really read).
-    unrounded = cpu_kernels.fd_paged_attention(fq, fk, fv, *_step(meta), scale, window)
-    assert not np.array_equal(got.numpy(), unrounded.numpy())
+    unrounded = cpu_kernels.fd_paged_attention(fq, fk, fv, *_step(meta), scale, window, 0)
+    assert not np.array_equal(auto, unrounded.numpy())
 
     # The fused op: both steps in one call, the same caches and output.
     ck, cv = bf16_tensor(k_bits), bf16_tensor(v_bits)
     fused = cpu_kernels.fd_rope_paged_attention(
         paddle.to_tensor(qkv), meta.positions, table, ck, cv, meta.slot_mapping, *_step(meta),
-        HEADS, KV_HEADS, scale, window,
+        HEADS, KV_HEADS, scale, window, 0,
     )
-    np.testing.assert_array_equal(fused.numpy(), got.numpy().reshape(fused.shape))
+    np.testing.assert_array_equal(fused.numpy(), auto.reshape(fused.shape))
     np.testing.assert_array_equal(bits_of(ck), bits_of(bk))
     np.testing.assert_array_equal(bits_of(cv), bits_of(bv))
+
+
+def _one_hot_case(q_len: int, ctx: int, seed: int = 3):
+    """A sequence whose scores are exact single products: key j is a_j e_0 (a_j in {1, 2, 3}, exact
+    in bfloat16), so row (token, head) scores key j as a_j * bf16(q[token, head, 0]); values are
+    bfloat16 rows that follow a_j. Returns what the kernel takes and what the formula needs."""
+    rng = np.random.default_rng(seed)
+    nb = blocks_for(q_len + ctx, BS) + 2
+    pool = BlockPool(nb, seed=seed)
+    meta = build_meta([(list(range(q_len)), ctx, pool.take(blocks_for(q_len + ctx, BS)))], BS)
+    n = q_len + ctx
+    a = rng.integers(1, 4, size=(n, KV_HEADS)).astype(np.float32)
+    # values follow a_j (plus noise), so the output measures how the weights split between the
+    # a groups and does not average out over long contexts
+    noise = 0.1 * rng.standard_normal((n, KV_HEADS, D))
+    v_rows = widen(rne_bf16((a[:, :, None] - 2.0 + noise).astype(np.float32)))
+    k_cache = np.zeros((nb, BS, KV_HEADS, D), np.float32)
+    v_cache = np.zeros((nb, BS, KV_HEADS, D), np.float32)
+    table = np.asarray(meta.block_tables)[0]
+    for p in range(n):
+        k_cache[table[p // BS], p % BS, :, 0] = a[p]
+        v_cache[table[p // BS], p % BS] = v_rows[p]
+    # q values ~3: bfloat16 steps there are 2^-6, so rounding moves a score by up to ~1.5%.
+    q = np.zeros((q_len, HEADS, D), np.float32)
+    q[:, :, 0] = 3.0 + rng.uniform(-0.5, 0.5, size=(q_len, HEADS)).astype(np.float32)
+    return meta, q, a, v_rows, bf16_tensor(rne_bf16(k_cache)), bf16_tensor(rne_bf16(v_cache))
+
+
+def _formula(q, a, v_rows, ctx, round_q=True, round_p=True):
+    """The bfloat16-cache attention of ``_one_hot_case`` in numpy, float64 sums."""
+    q_len, group = q.shape[0], HEADS // KV_HEADS
+    out = np.zeros((q_len, HEADS, D))
+    for t in range(q_len):
+        keys = ctx + t + 1
+        for h in range(HEADS):
+            g = h // group
+            qv = widen(rne_bf16(q[t, h, :1]))[0] if round_q else q[t, h, 0]
+            s = a[:keys, g].astype(np.float64) * qv
+            p = np.exp(s - s.max()).astype(np.float32)
+            w = widen(rne_bf16(p)) if round_p else p
+            out[t, h] = (w[:, None].astype(np.float64) * v_rows[:keys, g]).sum(0) / p.astype(np.float64).sum()
+    return out
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("q_len, ctx", [(1, 50), (1, 700), (30, 40)], ids=["decode", "decode_two_tiles", "prefill"])
+def test_bf16_cache_attention_is_the_formula(path, q_len, ctx, cpu_kernels):
+    """Rounded queries and rounded weights: the kernel equals the formula computed beside it, and
+    the formula without either rounding is far outside the tolerance (each rounding matters)."""
+    meta, q, a, v_rows, k, v = _one_hot_case(q_len, ctx)
+    got = cpu_kernels.fd_paged_attention(paddle.to_tensor(q), k, v, *_step(meta), 1.0, 0, path).numpy()
+    want = _formula(q, a, v_rows, ctx)
+    tol = 3e-6
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    assert np.abs(_formula(q, a, v_rows, ctx, round_q=False) - want).max() > 50 * tol
+    assert np.abs(_formula(q, a, v_rows, ctx, round_p=False) - want).max() > 3 * tol
+
+
+def test_bad_attention_paths_are_refused(cpu_kernels):
+    """An unknown path always; path 2 where the CPU lacks AVX-512 BF16 (runs it elsewhere)."""
+    meta, q, a, v_rows, k, v = _one_hot_case(1, 10)
+    with pytest.raises(Exception, match="bf16_path must be 0"):
+        cpu_kernels.fd_paged_attention(paddle.to_tensor(q), k, v, *_step(meta), 1.0, 0, 3)
+    if not has_avx512_bf16():
+        with pytest.raises(Exception, match="needs AVX-512 BF16"):
+            cpu_kernels.fd_paged_attention(paddle.to_tensor(q), k, v, *_step(meta), 1.0, 0, 2)
 
 
 def test_mixed_cache_dtypes_are_refused(cpu_kernels):

@@ -37,7 +37,7 @@ def _case(specs, seed=0):
 def _attend(cpu_kernels, q, k, v, meta, scale, window):
     """``fd_paged_attention`` over the step described by ``meta``."""
     step = (paddle.to_tensor(meta.query_start_loc), paddle.to_tensor(meta.seq_lens), paddle.to_tensor(meta.block_tables))
-    return cpu_kernels.fd_paged_attention(q, k, v, *step, scale, window)
+    return cpu_kernels.fd_paged_attention(q, k, v, *step, scale, window, 0)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_kernels_match_the_reference_ops(specs, window, cpu_kernels):
     fk, fv = paddle.to_tensor(k0), paddle.to_tensor(v0)
     step = (paddle.to_tensor(meta.query_start_loc), paddle.to_tensor(meta.seq_lens), paddle.to_tensor(meta.block_tables))
     fused = cpu_kernels.fd_rope_paged_attention(
-        paddle.to_tensor(qkv), meta.positions, table, fk, fv, meta.slot_mapping, *step, HEADS, KV_HEADS, scale, window
+        paddle.to_tensor(qkv), meta.positions, table, fk, fv, meta.slot_mapping, *step, HEADS, KV_HEADS, scale, window, 0
     )
     assert tuple(fused.shape) == (qkv.shape[0], HEADS * D)
     np.testing.assert_array_equal(fused.numpy(), out.numpy().reshape(fused.shape))
@@ -161,6 +161,7 @@ def test_kernels_reject_out_of_range_slots_positions_and_blocks(cpu_kernels):
             paddle.to_tensor(tables),
             1.0,
             0,
+            0,
         )
     with pytest.raises(Exception, match="sliding_window must be >= 0"):
         cpu_kernels.fd_paged_attention(
@@ -172,6 +173,7 @@ def test_kernels_reject_out_of_range_slots_positions_and_blocks(cpu_kernels):
             paddle.to_tensor(meta.block_tables),
             1.0,
             -1,
+            0,
         )
     with pytest.raises(Exception, match="not a multiple"):
         cpu_kernels.fd_paged_attention(
@@ -182,6 +184,7 @@ def test_kernels_reject_out_of_range_slots_positions_and_blocks(cpu_kernels):
             paddle.to_tensor(meta.seq_lens),
             paddle.to_tensor(meta.block_tables),
             1.0,
+            0,
             0,
         )
 

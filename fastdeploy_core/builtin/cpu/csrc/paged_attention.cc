@@ -24,9 +24,9 @@
 // The caches are [num_blocks, block_size, kvh, d] float32 or bfloat16 (--kv-cache-dtype
 // bfloat16) and are written in place: they are the engine's long-lived KV buffers, not values of
 // a graph (the ops run eagerly on the cpu). A bfloat16 cache stores the float32 keys and values
-// rounded to nearest, ties to even (Paddle's cast); attention widens each 64-key tile's key and
-// value rows back to float32 and runs the float32 tile code on them, so a bfloat16 cache gives
-// exactly what a float32 cache holding the same (rounded) values gives. Queries stay float32.
+// rounded to nearest, ties to even (Paddle's cast), and attention over it multiplies in bfloat16
+// and adds in float32 (queries and softmax weights rounded to bfloat16; bf16_attention.h: the
+// formula and its two paths, vdpbf16ps or widening; `bf16_path` picks one as fd_bf16_linear's).
 
 #include <immintrin.h>
 
@@ -38,6 +38,7 @@
 
 #include "paddle/extension.h"
 #include "graph.h"
+#include "bf16_attention.h"
 #include "thread_pool.h"
 #include "vector_math.h"
 
@@ -267,6 +268,7 @@ struct AttentionJob {
   const int64_t* token_pos;  // [T]: position of each query token (keys 0..pos are visible)
   const int64_t* tables;     // [B, MB]
   int64_t max_blocks, block_size, num_heads, num_kv_heads, d, window, group, rows_max;
+  bool bf16_dot;  // a bfloat16 cache: multiply with vdpbf16ps (else widen the tiles)
   float scale;
   float* out;  // [T, h, d]
   const Item* items;
@@ -405,14 +407,29 @@ void attend_item(void* ctx, int64_t index) {
   const bool narrow = m < kNarrowRows;
   thread_local std::vector<float> qr, qt, st, o, mv, lv, av, kw, vw;
   thread_local std::vector<int32_t> row_pos;
-  thread_local std::vector<int64_t> off, wide_off;
+  thread_local std::vector<int64_t> off, wide_off, next_off;
+  thread_local std::vector<uint32_t> qp, pp, vp;
+  thread_local std::vector<uint16_t> qb;
+  // A bfloat16 cache: queries rounded to bfloat16 (bf16_attention.h); with vdpbf16ps the scores
+  // and the weighted values read the cached rows as they are, else the tile's rows are widened.
+  const bool bf16 = j.k16 != nullptr;
+  const bool dot_scores = bf16 && j.bf16_dot && (!narrow || fd_bf16_attention::narrow_takes(d));
+  const bool dot_pv = bf16 && j.bf16_dot && fd_bf16_attention::pv_takes(d);
   qr.assign(mp * d, 0.f);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t t = it.t_begin + r / group, head = it.g * group + r % group;
     const float* src = j.q + (t * h + head) * d;
     for (int64_t c = 0; c < d; ++c) qr[r * d + c] = src[c] * j.scale;
+    if (bf16)
+      for (int64_t c = 0; c < d; ++c) qr[r * d + c] = fd_bf16_attention::round_float(qr[r * d + c]);
   }
-  if (!narrow) {
+  if (dot_scores && !narrow) {
+    qp.resize(d / 2 * mp);
+    fd_bf16_attention::pack_query_pairs(qr.data(), mp, d, qp.data());
+  } else if (dot_scores) {
+    qb.resize(m * d);
+    fd_bf16_attention::pack_query_rows(qr.data(), m, d, qb.data());
+  } else if (!narrow) {
     qt.resize(d * mp);
     for (int64_t r = 0; r < mp; ++r)
       for (int64_t c = 0; c < d; ++c) qt[c * mp + r] = qr[r * d + c];
@@ -425,11 +442,12 @@ void attend_item(void* ctx, int64_t index) {
   lv.assign(mp, 0.f);
   av.resize(mp);
   off.resize(kKeyTile);
+  next_off.resize(kKeyTile);
   const int64_t min_pos = j.token_pos[it.t_begin], max_pos = j.token_pos[it.t_end - 1];
   const int64_t* table = j.tables + it.seq * j.max_blocks;
   const int64_t row_stride = j.num_kv_heads * d;
-  // A bfloat16 cache: each tile's key and value rows widened into kw / vw (rows j * d).
-  const bool bf16 = j.k16 != nullptr;
+  // A bfloat16 cache read without vdpbf16ps: each tile's key and value rows widened into
+  // kw / vw (rows j * d); with it, the value rows packed as key pairs into vp.
   const float* k = bf16 ? kw.data() : j.k + it.g * d;
   const float* v = bf16 ? vw.data() : j.v + it.g * d;
   const uint16_t* k16 = bf16 ? j.k16 + it.g * d : nullptr;
@@ -440,18 +458,52 @@ void attend_item(void* ctx, int64_t index) {
     wide_off.resize(kKeyTile);
     for (int64_t jj = 0; jj < kKeyTile; ++jj) wide_off[jj] = jj * d;
     k = kw.data(), v = vw.data();
+    if (dot_pv) {
+      pp.resize((kKeyTile / 2) * mp);
+      vp.resize((kKeyTile / 2) * d);
+    }
   }
   const int64_t* tile_off = bf16 ? wide_off.data() : off.data();
   const f32x16 neg_inf = f32x16{} - INFINITY;
   for (int64_t kb = it.k_lo; kb <= it.k_hi; kb += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, it.k_hi + 1 - kb);
     key_offsets(table, j.block_size, kb, nk, row_stride, off.data());
+    // The next tile's key and value rows asked for now: past L2's reach (a kv head's keys and
+    // values at 8k context are ~2-4 MB) its strided rows otherwise arrive one miss at a time.
+    if (kb + kKeyTile <= it.k_hi) {
+      const int64_t nn = std::min(kKeyTile, it.k_hi + 1 - kb - kKeyTile);
+      key_offsets(table, j.block_size, kb + kKeyTile, nn, row_stride, next_off.data());
+      const int64_t row_bytes = d * (bf16 ? 2 : 4);
+      const char* kbase = bf16 ? reinterpret_cast<const char*>(k16) : reinterpret_cast<const char*>(j.k + it.g * d);
+      const char* vbase = bf16 ? reinterpret_cast<const char*>(v16) : reinterpret_cast<const char*>(j.v + it.g * d);
+      const int64_t elem = bf16 ? 2 : 4;
+      for (int64_t jj = 0; jj < nn; ++jj)
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          _mm_prefetch(kbase + next_off[jj] * elem + b, _MM_HINT_T1);
+          _mm_prefetch(vbase + next_off[jj] * elem + b, _MM_HINT_T1);
+        }
+    }
     if (bf16) {
       for (int64_t jj = 0; jj < nk; ++jj) {
-        widen_bf16(k16 + off[jj], kw.data() + jj * d, d);
-        widen_bf16(v16 + off[jj], vw.data() + jj * d, d);
+        if (!dot_scores) widen_bf16(k16 + off[jj], kw.data() + jj * d, d);
+        if (!dot_pv) widen_bf16(v16 + off[jj], vw.data() + jj * d, d);
       }
     }
+#if defined(__x86_64__)
+    if (dot_scores && narrow) {
+      for (int64_t jj = 0; jj < nk; ++jj)
+        for (int64_t r = m; r < mp; ++r) st[jj * mp + r] = 0.f;  // padding rows, as scores_narrow
+      const auto tree = [](const f32x16* part) { return sum16(part); };
+      switch (d) {
+        case 32: fd_bf16_attention::scores_narrow<1>(qb.data(), m, mp, k16, off.data(), nk, st.data(), tree); break;
+        case 64: fd_bf16_attention::scores_narrow<2>(qb.data(), m, mp, k16, off.data(), nk, st.data(), tree); break;
+        case 96: fd_bf16_attention::scores_narrow<3>(qb.data(), m, mp, k16, off.data(), nk, st.data(), tree); break;
+        default: fd_bf16_attention::scores_narrow<4>(qb.data(), m, mp, k16, off.data(), nk, st.data(), tree); break;
+      }
+    } else if (dot_scores) {
+      fd_bf16_attention::scores_wide(qp.data(), mp, k16, off.data(), nk, d, st.data());
+    } else
+#endif
     if (narrow) {
       scores_narrow(qr.data(), m, mp, k, tile_off, nk, d, st.data());
     } else {
@@ -496,6 +548,15 @@ void attend_item(void* ctx, int64_t index) {
       store16(mv.data() + rv, m_new);
       store16(av.data() + rv, alpha);
     }
+#if defined(__x86_64__)
+    if (dot_pv) {
+      fd_bf16_attention::pack_weight_pairs(st.data(), nk, mp, pp.data());
+      fd_bf16_attention::pack_value_pairs(v16, off.data(), nk, d, vp.data());
+      fd_bf16_attention::pv(pp.data(), m, mp, vp.data(), nk, d, av.data(), o.data());
+      continue;
+    }
+#endif
+    if (bf16) fd_bf16_attention::round_weights(st.data(), nk, mp);
     pv(st.data(), m, mp, v, tile_off, nk, d, av.data(), o.data());
   }
   if (it.partial < 0) {
@@ -540,8 +601,12 @@ void combine_partials(const AttentionJob& j, const Item& it, int64_t first, int6
 // Attention of q [T, h, d] into out (T * h * d floats), the caches' checks included.
 void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
                           const paddle::Tensor& query_start, const paddle::Tensor& seq_lens,
-                          const paddle::Tensor& block_tables, float scale, int64_t sliding_window, float* out) {
+                          const paddle::Tensor& block_tables, float scale, int64_t sliding_window,
+                          int64_t bf16_path, float* out) {
   PD_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
+  PD_CHECK(bf16_path >= 0 && bf16_path <= 2, "bf16_path must be 0 (the CPU's best), 1 (widen) or 2 (vdpbf16ps)");
+  PD_CHECK(bf16_path != 2 || fd_bf16_attention::cpu_has_dot(),
+           "bf16_path 2 needs AVX-512 BF16 (vdpbf16ps), which this CPU does not have");
   PD_CHECK(q_in.dtype() == paddle::DataType::FLOAT32 && q_in.shape().size() == 3, "q must be float32 [T, h, d]");
   const int64_t T = q_in.shape()[0], h = q_in.shape()[1], d = q_in.shape()[2];
   PD_CHECK(k_cache.shape().size() == 4, "k_cache must be [num_blocks, block_size, kvh, d]");
@@ -635,6 +700,7 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
                    sliding_window,
                    group,
                    rows_max,
+                   bf16 && bf16_path != 1 && fd_bf16_attention::cpu_has_dot(),
                    scale,
                    out,
                    work.data(),
@@ -646,13 +712,13 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
                                            const paddle::Tensor& v_cache, const paddle::Tensor& query_start,
                                            const paddle::Tensor& seq_lens, const paddle::Tensor& block_tables,
-                                           float scale, int64_t sliding_window) {
+                                           float scale, int64_t sliding_window, int64_t bf16_path) {
   PD_CHECK(q.shape().size() == 3, "q must be float32 [T, h, d]");
   auto out = fd_graph::empty(q.shape(), paddle::DataType::FLOAT32);
   fd_graph::run("fd_paged_attention", {&q, &k_cache, &v_cache, &query_start, &seq_lens, &block_tables}, {&out},
                 [=]() mutable {
                   paged_attention_into(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
-                                       sliding_window, out.data<float>());
+                                       sliding_window, bf16_path, out.data<float>());
                 });
   return {out};
 }
@@ -665,7 +731,8 @@ std::vector<paddle::Tensor> RopePagedAttention(const paddle::Tensor& qkv, const 
                                                const paddle::Tensor& v_cache, const paddle::Tensor& slots,
                                                const paddle::Tensor& query_start, const paddle::Tensor& seq_lens,
                                                const paddle::Tensor& block_tables, int64_t num_heads,
-                                               int64_t num_kv_heads, float scale, int64_t sliding_window) {
+                                               int64_t num_kv_heads, float scale, int64_t sliding_window,
+                                               int64_t bf16_path) {
   const int64_t d = check_rope(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads);
   const int64_t T = qkv.shape()[0];
   auto q = fd_graph::empty({T, num_heads, d}, paddle::DataType::FLOAT32);
@@ -676,7 +743,7 @@ std::vector<paddle::Tensor> RopePagedAttention(const paddle::Tensor& qkv, const 
                   rope_write_kv_into(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads, d,
                                      q.data<float>());
                   paged_attention_into(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale,
-                                       sliding_window, out.data<float>());
+                                       sliding_window, bf16_path, out.data<float>());
                 });
   return {out};
 }
@@ -686,7 +753,7 @@ std::vector<std::vector<int64_t>> RopePagedAttentionShape(const std::vector<int6
                                                           const std::vector<int64_t>&, const std::vector<int64_t>&,
                                                           const std::vector<int64_t>&, const std::vector<int64_t>&,
                                                           const std::vector<int64_t>&, int64_t num_heads,
-                                                          int64_t num_kv_heads, float, int64_t) {
+                                                          int64_t num_kv_heads, float, int64_t, int64_t) {
   return {{qkv[0], qkv[1] / (num_heads + 2 * num_kv_heads) * num_heads}};
 }
 
@@ -714,7 +781,7 @@ std::vector<paddle::DataType> RopeWriteKvDtype(const paddle::DataType&, const pa
 std::vector<std::vector<int64_t>> PagedAttentionShape(const std::vector<int64_t>& q, const std::vector<int64_t>&,
                                                       const std::vector<int64_t>&, const std::vector<int64_t>&,
                                                       const std::vector<int64_t>&, const std::vector<int64_t>&, float,
-                                                      int64_t) {
+                                                      int64_t, int64_t) {
   return {q};
 }
 
@@ -735,7 +802,7 @@ PD_BUILD_OP(fd_rope_write_kv)
 PD_BUILD_OP(fd_paged_attention)
     .Inputs({"Q", "KCache", "VCache", "QueryStart", "SeqLens", "BlockTables"})
     .Outputs({"Out"})
-    .Attrs({"scale: float", "sliding_window: int64_t"})
+    .Attrs({"scale: float", "sliding_window: int64_t", "bf16_path: int64_t"})
     .SetKernelFn(PD_KERNEL(PagedAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionDtype));
@@ -743,7 +810,8 @@ PD_BUILD_OP(fd_paged_attention)
 PD_BUILD_OP(fd_rope_paged_attention)
     .Inputs({"QKV", "Positions", "CosSin", "KCache", "VCache", "Slots", "QueryStart", "SeqLens", "BlockTables"})
     .Outputs({"Out"})
-    .Attrs({"num_heads: int64_t", "num_kv_heads: int64_t", "scale: float", "sliding_window: int64_t"})
+    .Attrs({"num_heads: int64_t", "num_kv_heads: int64_t", "scale: float", "sliding_window: int64_t",
+            "bf16_path: int64_t"})
     .SetKernelFn(PD_KERNEL(RopePagedAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(RopePagedAttentionShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(RopePagedAttentionDtype));
