@@ -430,6 +430,9 @@ class ReferenceOps:
         multiplies in that dtype: the scaled queries and the softmax weights are rounded to it
         (nearest, ties to even) before their products, which are added in ``q``'s dtype (what
         vLLM's and flash-attention's bfloat16 kernels compute; the softmax itself stays float32).
+        The weights rounded are exp(s - M) with M the smallest multiple of ln 2 >= the row's
+        largest score, the normalising sum taken before rounding (:func:`_rounded_softmax_matmul`):
+        a tiled kernel's online maximum kept on that lattice rounds every weight alike.
         """
         key = "paged_reference" if not sliding_window else f"paged_reference/window={int(sliding_window)}"
         state = meta.attn_state.get(key)
@@ -455,6 +458,11 @@ class ReferenceOps:
         def rounded(x):  # to the cache's dtype and back: the multiplies of a narrow cache
             return x if narrow is None else x.astype(narrow).astype(x.dtype)
 
+        def weighted(scores, values):  # softmax(scores) @ values, in the cache's multiplies
+            if narrow is None:
+                return paddle.matmul(F.softmax(scores, axis=-1), values)
+            return _rounded_softmax_matmul(scores, values, rounded)
+
         if max_q == 1:
             # Decode: one query row per sequence, already in batch order. Query heads of one
             # KV head are adjacent (head i reads kv head i // group), so no repeat of K/V.
@@ -462,8 +470,7 @@ class ReferenceOps:
             scores = paddle.matmul(qg, k, transpose_y=True)  # [B, kvh, g, max_kv]
             if state["mask"] is not None:
                 scores = scores + state["mask"]  # [B, 1, 1, max_kv]
-            probs = rounded(F.softmax(scores, axis=-1))
-            return paddle.matmul(probs, v).reshape([num_tokens, num_heads, head_dim])
+            return weighted(scores, v).reshape([num_tokens, num_heads, head_dim])
 
         if state["pad_rows"] is not None:
             q = paddle.index_select(q, state["pad_rows"], axis=0)  # [B * max_q, h, d]
@@ -474,7 +481,7 @@ class ReferenceOps:
         for start in range(0, max_q, chunk):
             stop = min(max_q, start + chunk)
             mask = self._score_mask(state, num_kv_heads, group, start, stop)
-            outs.append(self._prefill_attention(q[:, start:stop], k, v, mask, rounded))
+            outs.append(self._prefill_attention(q[:, start:stop], k, v, mask, weighted))
         out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=1)  # [B, max_q, h, d]
         out = out.reshape([batch * max_q, num_heads, head_dim])
         if state["unpad_rows"] is not None:
@@ -633,17 +640,21 @@ class ReferenceOps:
 
     @staticmethod
     def _prefill_attention(
-        q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor, rounded=lambda x: x
+        q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor, weighted=None
     ) -> paddle.Tensor:
         """``q [B, L, kvh, g, d]`` (pre-scaled) over ``k``/``v [B, kvh, S, d]`` -> ``[B, L, h, d]``;
-        ``rounded`` is applied to the softmax weights before they multiply ``v``."""
+        ``weighted(scores, v)`` (default ``softmax(scores) @ v``) combines the values."""
         batch, length, num_kv_heads, group, head_dim = q.shape
         qg = q.transpose([0, 2, 3, 1, 4]).reshape([batch, num_kv_heads, group * length, head_dim])
         scores = paddle.matmul(qg, k, transpose_y=True)  # [B, kvh, g * L, S]
         max_kv = scores.shape[-1]
         scores = scores.reshape([batch, num_kv_heads, group, length, max_kv]) + mask
-        probs = rounded(F.softmax(scores, axis=-1)).reshape([batch, num_kv_heads, group * length, max_kv])
-        out = paddle.matmul(probs, v).reshape([batch, num_kv_heads, group, length, head_dim])
+        scores = scores.reshape([batch, num_kv_heads, group * length, max_kv])
+        if weighted is None:
+            out = paddle.matmul(F.softmax(scores, axis=-1), v)
+        else:
+            out = weighted(scores, v)
+        out = out.reshape([batch, num_kv_heads, group, length, head_dim])
         return out.transpose([0, 3, 1, 2, 4]).reshape([batch, length, num_kv_heads * group, head_dim])
 
     def _build_attention_state(self, meta, block_size: int, sliding_window: int | None = None) -> dict:
@@ -673,3 +684,19 @@ class ReferenceOps:
             state["pad_rows"] = paddle.to_tensor(rows)
             state["unpad_rows"] = paddle.to_tensor(unpad)
         return state
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2 = np.float32(0.6931471805599453)
+
+
+def _rounded_softmax_matmul(scores: paddle.Tensor, values: paddle.Tensor, rounded) -> paddle.Tensor:
+    """``softmax(scores) @ values`` with the weights rounded by ``rounded`` before they multiply:
+    w = rounded(exp(s - M)) with M = ln 2 * ceil(max s / ln 2) per row (float32), divided by the
+    unrounded sum of exp(s - M). Rounding to a narrower float commutes with powers of two, so the
+    weights do not depend on which multiple of ln 2 a kernel subtracted (its running maximum)."""
+    top = paddle.max(scores, axis=-1, keepdim=True)
+    lattice = paddle.ceil(top * float(_LOG2E)) * float(_LN2)
+    lattice = paddle.where(paddle.isfinite(lattice), lattice, paddle.zeros_like(lattice))
+    e = paddle.exp(scores - lattice)
+    return paddle.matmul(rounded(e), values) / paddle.sum(e, axis=-1, keepdim=True)

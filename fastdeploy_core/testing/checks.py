@@ -545,10 +545,11 @@ BF16_STEP = 2.0**-7
 
 
 #: Attention over a bfloat16 cache rounds its softmax weights to bfloat16 before they multiply the
-#: values (``ReferenceOps.paged_attention``). A tiled kernel rounds each weight relative to its
-#: online softmax's running maximum, the reference the normalised weight: the two roundings of
-#: one weight differ by at most 2^-8 of it (2^-9 each), so an output may differ from the
-#: reference's by up to 2^-8 * sum_j p_j |v_j| beyond the float32 tolerance.
+#: values (``ReferenceOps.paged_attention``: bf16(exp(s - M)), M on the multiples of ln 2). A
+#: kernel computes exp and the scores with other float32 roundings, which can tip a weight's
+#: rounding the other way (rarely), or may round weights relative to another maximum altogether:
+#: two roundings of one weight differ by at most 2^-8 of it (2^-9 each), so an output may differ
+#: from the reference's by up to 2^-8 * sum_j p_j |v_j| beyond the float32 tolerance.
 BF16_WEIGHT_ROUNDING = 2.0**-8
 
 

@@ -182,7 +182,9 @@ def _formula(q, a, v_rows, ctx, round_q=True, round_p=True):
             g = h // group
             qv = widen(rne_bf16(q[t, h, :1]))[0] if round_q else q[t, h, 0]
             s = a[:keys, g].astype(np.float64) * qv
-            p = np.exp(s - s.max()).astype(np.float32)
+            top = np.float32(s.max())
+            lattice = np.float32(np.ceil(top * np.float32(1.4426950408889634)) * np.float32(0.6931471805599453))
+            p = np.exp((s - lattice).astype(np.float32))  # M: the smallest multiple of ln 2 >= max s
             w = widen(rne_bf16(p)) if round_p else p
             out[t, h] = (w[:, None].astype(np.float64) * v_rows[:keys, g]).sum(0) / p.astype(np.float64).sum()
     return out

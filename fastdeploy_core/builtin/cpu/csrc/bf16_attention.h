@@ -6,7 +6,12 @@
 // is rounded to bfloat16; a key tile's scores q . k are exact products summed in float32; the
 // online softmax runs in float32 (maximum, exp, sums); the tile's weights exp(s - m) are rounded
 // to bfloat16 after they were added to the row's sum, and the weighted values are exact products
-// summed in float32. Rounding is to nearest, ties to even.
+// summed in float32. Rounding is to nearest, ties to even. The running maximum m is kept on the
+// multiples of ln 2 (the smallest one >= the scores seen): rescaling by exp(m_old - m_new) is
+// then a power of two, which commutes with rounding, so every weight is rounded as
+// bf16(exp(s - M)) with M = ln 2 * ceil(max s / ln 2) over the row's keys, whatever the tiles
+// and splits; the reference formula (ReferenceOps.paged_attention) is that, up to float32
+// rounding of exp and the scores.
 //
 // Two paths compute that formula; they add in different orders, so they agree to float32
 // rounding, not bit for bit:
@@ -24,6 +29,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -39,6 +45,14 @@ inline bool cpu_has_dot() {
 #else
   return false;
 #endif
+}
+
+// The smallest multiple of ln 2 >= x, lane by lane (-inf stays -inf).
+inline f32x16 ln2_ceiling(f32x16 x) {
+  constexpr float kLog2e = 1.44269504088896340736f, kLn2 = 0.693147180559945309417f;
+  f32x16 r;
+  for (int i = 0; i < 16; ++i) r[i] = x[i] == -__builtin_inff() ? x[i] : std::ceil(x[i] * kLog2e) * kLn2;
+  return r;
 }
 
 // The float32 bits of x rounded to bfloat16 (nearest, ties to even; low half zero); a NaN stays

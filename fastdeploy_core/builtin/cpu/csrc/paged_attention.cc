@@ -532,6 +532,9 @@ void attend_item(void* ctx, int64_t index) {
         mx = s > mx ? s : mx;
       }
       const f32x16 m_old = load16(mv.data() + rv);
+      // A bfloat16 cache: maxima on the lattice of multiples of ln 2 (bf16_attention.h), so a
+      // weight's rounding does not depend on the tiles seen before it.
+      if (bf16) mx = fd_bf16_attention::ln2_ceiling(mx);
       const f32x16 m_new = mx > m_old ? mx : m_old;
       // A row with no visible key yet keeps maximum -inf; subtracting 0 instead gives p = 0
       // and alpha = 0 (its sum and output are still 0) without inf - inf.
