@@ -157,6 +157,8 @@ class DecodeGraphs:
         #: The ``q > 1`` holding graphs, least recently used first.
         self._multi_lens: OrderedDict[int, None] = OrderedDict()
         self._weights: list | None = None
+        #: Replayed steps by ``(B, q)`` (what the graphs saved is visible, and tested).
+        self.replays: Counter = Counter()
 
     def accepts(self, num_seqs: int, query_len: int | None) -> bool:
         """Whether :meth:`run` takes a step of ``num_seqs`` sequences of ``query_len`` new tokens
@@ -222,6 +224,7 @@ class DecodeGraphs:
         graph.load(meta)
         if graph.captured is None or not graph.captured.planned:
             return self._capture(graph)
+        self.replays[key] += 1
         return graph.captured.replay()
 
     def _make_room(self, q: int) -> None:

@@ -368,3 +368,106 @@ def test_a_dropped_engine_frees_its_model_and_graphs(checkpoint):
     from paddle import _C_ops
 
     assert [int(_C_ops._run_custom_op("fd_graph_release", h)[0].numpy()[0]) for h in handles] == [0]
+
+
+def _offer(graphs, model, caches, chunks):
+    """One step the way the runner takes it: the graphs when they accept its shape, else eager."""
+    q = len(chunks[0][0])
+    uniform = all(len(c[0]) == q for c in chunks)
+    if graphs.accepts(len(chunks), q if uniform else None):
+        out = graphs.run(_host(build_meta(chunks, BLOCK)))
+        if out is not None:
+            return out
+    return model(build_meta(chunks, BLOCK), caches)
+
+
+@pytest.mark.parametrize("method", [None, '{"quantization": "wint4", "group_size": 32}'])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_verify_steps_of_q_tokens_replay_the_eager_logits_bitwise(ops, method, batch):
+    """Steps of 1 + k tokens per sequence (a verify step's shape) are captured from their second
+    occurrence and replayed: every row's hidden state and logits (all q positions of every
+    sequence) and the KV caches equal the eager forward's bit for bit."""
+    model = _model(method)
+    eager_caches, graph_caches = _caches(model, 40), _caches(model, 40)
+    rng = np.random.default_rng(10 + batch)
+    q = 5
+    tables = [[9 * b + 1 + i for i in range(9)] for b in range(batch)]
+    lengths = [3 + 2 * b for b in range(batch)]
+    graphs = DecodeGraphs(model, ops, graph_caches, range(1, 4), max_model_len=36, block_size=BLOCK)
+    with paddle.no_grad():
+        prefill = [(list(rng.integers(0, 96, size=n)), 0, t[: -(-n // BLOCK)]) for n, t in zip(lengths, tables)]
+        for caches in (eager_caches, graph_caches):
+            model(build_meta(prefill, BLOCK), caches)
+        for step in range(5):  # eager (seen once), recorded, recorded on the arena, replayed twice
+            chunks = [
+                ([int(t) for t in rng.integers(0, 96, size=q)], n, t[: (n + q - 1) // BLOCK + 1])
+                for n, t in zip(lengths, tables)
+            ]
+            eager = model(build_meta(chunks, BLOCK), eager_caches)
+            got = _offer(graphs, model, graph_caches, chunks)
+            np.testing.assert_array_equal(got.numpy(), eager.numpy(), err_msg=f"step {step}")
+            np.testing.assert_array_equal(
+                model.compute_logits(got).numpy(), model.compute_logits(eager).numpy(), err_msg=f"step {step}"
+            )
+            lengths = [n + q for n in lengths]
+    assert graphs.disabled_reason is None and graphs.multi_token_disabled_reason is None
+    assert graphs.captured_shapes == [(batch, q)]
+    assert graphs.replays == {(batch, q): 2}  # fails if the capture silently never happens
+    for (ek, ev), (gk, gv) in zip(eager_caches, graph_caches):
+        np.testing.assert_array_equal(gk.numpy(), ek.numpy())
+        np.testing.assert_array_equal(gv.numpy(), ev.numpy())
+
+
+def test_graphs_of_at_most_three_query_lengths_are_kept(ops):
+    from fastdeploy_core.executor.decode_graph import MAX_MULTI_TOKEN_LENS, MAX_QUERY_LEN
+
+    model = _model(None)
+    eager_caches, graph_caches = _caches(model, 40), _caches(model, 40)
+    graphs = DecodeGraphs(model, ops, graph_caches, [1, 2], max_model_len=160, block_size=BLOCK)
+    table = list(range(1, 40))
+    length = 0
+    seen: list[int] = []
+    with paddle.no_grad():
+        # lengths 2, 3, 4, 5 three times each (5 evicts 2, the least recently used), then 2 again
+        # (evicting 3; recorded at once, as it was seen before), then one token per step
+        for q in [2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 2, 2, 2, 1, 1]:
+            chunks = [([(length + i) % 96 for i in range(q)], length, table[: (length + q - 1) // BLOCK + 1])]
+            eager = model(build_meta(chunks, BLOCK), eager_caches)
+            np.testing.assert_array_equal(_offer(graphs, model, graph_caches, chunks).numpy(), eager.numpy())
+            length += q
+            seen.append(q)
+            lens = {key[1] for key in graphs.captured_shapes if key[1] > 1}
+            assert len(lens) <= MAX_MULTI_TOKEN_LENS
+            if len(seen) == 11:  # 5 seen twice: recorded, 2's graphs freed
+                assert graphs.captured_shapes == [(1, 3), (1, 4), (1, 5)]
+    assert MAX_MULTI_TOKEN_LENS == 3 and MAX_QUERY_LEN == 9
+    assert graphs.captured_shapes == [(1, 1), (1, 2), (1, 4), (1, 5)]
+    # each length: seen once (eager), recorded, recorded on its arena; then replayed
+    assert dict(graphs.replays) == {(1, 2): 1}
+    assert not graphs.accepts(1, MAX_QUERY_LEN + 1) and not graphs.accepts(3, 2)  # too long; size 3 not listed
+    assert not graphs.accepts(1, None)  # ragged
+
+
+def test_a_refused_multi_token_capture_leaves_decode_steps_captured(ops):
+    model = _model(None)
+    caches = _caches(model)
+
+    class RaggedOnPaddle(type(ops)):
+        def rope_paged_attention(self, qkv, positions, cos_sin_cache, k_cache, v_cache, meta, *args, **kw):
+            if meta.num_tokens > meta.num_seqs:  # the reference formula for steps of several tokens
+                return ReferenceOps.rope_paged_attention(self, qkv, positions, cos_sin_cache, k_cache, v_cache, meta, *args, **kw)
+            return super().rope_paged_attention(qkv, positions, cos_sin_cache, k_cache, v_cache, meta, *args, **kw)
+
+    mixed = RaggedOnPaddle()
+    set_current_ops(mixed)
+    graphs = DecodeGraphs(model, mixed, caches, [1], max_model_len=28, block_size=BLOCK)
+    with paddle.no_grad():
+        model(build_meta([([1, 2, 3], 0, [0, 1, 2])], BLOCK), caches)
+        for length in (3, 4, 5):
+            _offer(graphs, model, caches, [([length], length, [0, 1, 2])])
+        for length in (6, 8):  # seen once: eager; seen twice: recorded, refused
+            _offer(graphs, model, caches, [([1, 2], length, [0, 1, 2])])
+    assert graphs.multi_token_disabled_reason and "read a tensor" in graphs.multi_token_disabled_reason
+    assert graphs.disabled_reason is None
+    assert graphs.captured_shapes == [(1, 1)] and graphs.replays[(1, 1)] == 1
+    assert not graphs.accepts(1, 2) and graphs.accepts(1, 1)
