@@ -20,9 +20,10 @@ Which steps, and how much memory:
 * ``q > 1``: every sequence the same ``q``, at most :data:`MAX_QUERY_LEN` (1 + the largest
   ``num_speculative_tokens``), and no sequence computing prompt positions (the caller checks
   that). Such a shape is recorded the second time it is seen (a shape seen once, e.g. a verify
-  step clipped by a request's length limit, costs nothing), and the graphs of at most
-  :data:`MAX_MULTI_TOKEN_LENS` distinct ``q > 1`` are kept: a new length evicts the graphs of
-  the length used least recently.
+  step clipped by a request's length limit, costs nothing), and at most
+  :data:`MAX_MULTI_TOKEN_GRAPHS` such shapes keep graphs: a new one frees the graph of the
+  shape used least recently. Their memory is bounded by that many arenas of at most
+  ``max(capture sizes) * MAX_QUERY_LEN`` tokens (the ``q = 1`` graphs keep one per batch size).
 * Ragged steps (different ``q`` per sequence), prompt steps and mixed steps run eagerly.
 
 When a capture is refused (the device does not capture, or the forward used an op that cannot
@@ -47,9 +48,10 @@ logger = logging.getLogger(__name__)
 #: The most tokens per sequence a captured step takes: a verify step of the largest
 #: ``num_speculative_tokens`` (8, ``SpeculativeConfig``) scores 9.
 MAX_QUERY_LEN = 9
-#: How many distinct ``q > 1`` keep their graphs at once (a target's verify steps use ``1 + k``
-#: and the shorter ones of requests near their length limit; a draft's catch-up uses 2).
-MAX_MULTI_TOKEN_LENS = 3
+#: How many shapes ``(B, q > 1)`` keep their graphs at once (a target's verify steps use
+#: ``q = 1 + k``, and shorter ones near requests' length limits or when ngram finds fewer; a
+#: draft's catch-up uses 2; B follows the running requests).
+MAX_MULTI_TOKEN_GRAPHS = 8
 
 
 class _StaticInput:
@@ -154,8 +156,8 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         #: How often each ``(B, q > 1)`` was offered (:meth:`accepts`); it is captured at the second.
         self._seen: Counter = Counter()
-        #: The ``q > 1`` holding graphs, least recently used first.
-        self._multi_lens: OrderedDict[int, None] = OrderedDict()
+        #: The ``(B, q > 1)`` holding graphs, least recently used first.
+        self._multi_used: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._weights: list | None = None
         #: Replayed steps by ``(B, q)`` (what the graphs saved is visible, and tested).
         self.replays: Counter = Counter()
@@ -213,29 +215,30 @@ class DecodeGraphs:
         graph = self._graphs.get(key)
         if graph is None:
             if q > 1:
-                self._make_room(q)
+                self._make_room()
             host = self._hosts.get(q)
             if host is None:
                 host = self._hosts[q] = _HostInputs(self._max_batch, q, self.table_width)
             graph = self._graphs[key] = _Graph(batch, q, self.block_size, host, self._on_host)
         if q > 1:
-            self._multi_lens[q] = None
-            self._multi_lens.move_to_end(q)
+            self._multi_used[key] = None
+            self._multi_used.move_to_end(key)
         graph.load(meta)
         if graph.captured is None or not graph.captured.planned:
             return self._capture(graph)
         self.replays[key] += 1
         return graph.captured.replay()
 
-    def _make_room(self, q: int) -> None:
-        """Before a graph of a new ``q > 1``: free the least recently used length's graphs when
-        :data:`MAX_MULTI_TOKEN_LENS` lengths hold graphs already."""
-        if q in self._multi_lens or len(self._multi_lens) < MAX_MULTI_TOKEN_LENS:
-            return
-        old, _ = self._multi_lens.popitem(last=False)
-        self._release_where(lambda key: key[1] == old)
-        self._hosts.pop(old, None)
-        logger.debug("freed the captured steps of %d tokens per sequence (to capture %d)", old, q)
+    def _make_room(self) -> None:
+        """Before the graph of a new ``(B, q > 1)``: free the least recently used such graph when
+        :data:`MAX_MULTI_TOKEN_GRAPHS` hold graphs already (and the host arrays of its ``q`` when
+        no graph uses them any more)."""
+        while len(self._multi_used) >= MAX_MULTI_TOKEN_GRAPHS:
+            old, _ = self._multi_used.popitem(last=False)
+            self._release_where(lambda key: key == old)
+            if not any(key[1] == old[1] for key in self._graphs):
+                self._hosts.pop(old[1], None)
+            logger.debug("freed the captured step of batch size %d, %d tokens each", *old)
 
     def _capture(self, graph: _Graph):
         """Record this step (the recording computes it). A second recording of a shape replaces
@@ -258,7 +261,7 @@ class DecodeGraphs:
                     "steps of several tokens per sequence run eagerly: capturing one was refused (%s)", captured.reason
                 )
                 self._release_where(lambda key: key[1] > 1)
-                self._multi_lens.clear()
+                self._multi_used.clear()
             return captured.output
         if previous is not None:
             previous.release()
@@ -277,7 +280,7 @@ class DecodeGraphs:
     def release(self) -> None:
         """Free every captured graph (their buffers); later steps capture again."""
         self._release_where(lambda key: True)
-        self._multi_lens.clear()
+        self._multi_used.clear()
 
 
 def _flatten(items) -> list:

@@ -514,13 +514,13 @@ class ModelRunner:
 
     def _multi_token_capture(self) -> str:
         """How steps of several tokens per sequence are captured, for :meth:`describe`."""
-        from fastdeploy_core.executor.decode_graph import MAX_MULTI_TOKEN_LENS, MAX_QUERY_LEN
+        from fastdeploy_core.executor.decode_graph import MAX_MULTI_TOKEN_GRAPHS, MAX_QUERY_LEN
 
         if self.graphs.multi_token_disabled_reason:
             return f"steps of several tokens per sequence off: {self.graphs.multi_token_disabled_reason}"
         return (
             f"steps of 2-{MAX_QUERY_LEN} tokens per sequence from their second occurrence "
-            f"(at most {MAX_MULTI_TOKEN_LENS} lengths kept)"
+            f"(at most {MAX_MULTI_TOKEN_GRAPHS} such shapes kept)"
         )
 
     def describe(self) -> dict:

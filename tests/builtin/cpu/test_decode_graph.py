@@ -418,9 +418,11 @@ def test_verify_steps_of_q_tokens_replay_the_eager_logits_bitwise(ops, method, b
         np.testing.assert_array_equal(gv.numpy(), ev.numpy())
 
 
-def test_graphs_of_at_most_three_query_lengths_are_kept(ops):
-    from fastdeploy_core.executor.decode_graph import MAX_MULTI_TOKEN_LENS, MAX_QUERY_LEN
+def test_at_most_max_multi_token_graphs_shapes_of_several_tokens_keep_graphs(ops, monkeypatch):
+    from fastdeploy_core.executor import decode_graph
 
+    assert decode_graph.MAX_MULTI_TOKEN_GRAPHS == 8 and decode_graph.MAX_QUERY_LEN == 9
+    monkeypatch.setattr(decode_graph, "MAX_MULTI_TOKEN_GRAPHS", 3)  # fewer shapes than 8 to walk through
     model = _model(None)
     eager_caches, graph_caches = _caches(model, 40), _caches(model, 40)
     graphs = DecodeGraphs(model, ops, graph_caches, [1, 2], max_model_len=160, block_size=BLOCK)
@@ -428,23 +430,23 @@ def test_graphs_of_at_most_three_query_lengths_are_kept(ops):
     length = 0
     seen: list[int] = []
     with paddle.no_grad():
-        # lengths 2, 3, 4, 5 three times each (5 evicts 2, the least recently used), then 2 again
-        # (evicting 3; recorded at once, as it was seen before), then one token per step
+        # lengths 2, 3, 4, 5 three times each (5 evicts (1, 2), the least recently used), then 2
+        # again (evicting (1, 3); recorded at once, as it was seen before), then one token per step
         for q in [2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 2, 2, 2, 1, 1]:
             chunks = [([(length + i) % 96 for i in range(q)], length, table[: (length + q - 1) // BLOCK + 1])]
             eager = model(build_meta(chunks, BLOCK), eager_caches)
             np.testing.assert_array_equal(_offer(graphs, model, graph_caches, chunks).numpy(), eager.numpy())
             length += q
             seen.append(q)
-            lens = {key[1] for key in graphs.captured_shapes if key[1] > 1}
-            assert len(lens) <= MAX_MULTI_TOKEN_LENS
+            multi = [key for key in graphs._graphs if key[1] > 1]
+            assert len(multi) <= 3, multi
             if len(seen) == 11:  # 5 seen twice: recorded, 2's graphs freed
                 assert graphs.captured_shapes == [(1, 3), (1, 4), (1, 5)]
-    assert MAX_MULTI_TOKEN_LENS == 3 and MAX_QUERY_LEN == 9
     assert graphs.captured_shapes == [(1, 1), (1, 2), (1, 4), (1, 5)]
+    assert sorted(graphs._hosts) == [1, 2, 4, 5]  # the static arrays of q = 3 went with its graph
     # each length: seen once (eager), recorded, recorded on its arena; then replayed
     assert dict(graphs.replays) == {(1, 2): 1}
-    assert not graphs.accepts(1, MAX_QUERY_LEN + 1) and not graphs.accepts(3, 2)  # too long; size 3 not listed
+    assert not graphs.accepts(1, decode_graph.MAX_QUERY_LEN + 1) and not graphs.accepts(3, 2)  # too long; size 3 not listed
     assert not graphs.accepts(1, None)  # ragged
 
 
@@ -471,3 +473,55 @@ def test_a_refused_multi_token_capture_leaves_decode_steps_captured(ops):
     assert graphs.disabled_reason is None
     assert graphs.captured_shapes == [(1, 1)] and graphs.replays[(1, 1)] == 1
     assert not graphs.accepts(1, 2) and graphs.accepts(1, 1)
+
+
+def test_the_runner_gives_replayed_verify_steps_the_eager_tokens_logprobs_and_hidden_states(checkpoint):
+    """A verify step (1 + 3 tokens in each of 2 rows, hidden states asked for as the mtp proposer
+    does, one row asking for logprobs) replayed from a captured graph gives the tokens, the
+    logprobs of every position and the hidden states of every row of the eager runner's step."""
+    from fastdeploy_core.executor.model_runner import ModelRunner
+    from fastdeploy_core.executor.step_io import ScheduledRequest, SchedulerOutput
+    from fastdeploy_core.spec_decode.draft_model import _Greedy
+
+    class GreedyLogprobs(_Greedy):
+        logprobs = 2
+
+    def runner(eager: bool) -> ModelRunner:
+        return ModelRunner(
+            EngineArgs.create(
+                model=str(checkpoint), max_model_len=64, block_size=BLOCK, num_gpu_blocks_override=40,
+                enforce_eager=eager,
+            )
+        )
+
+    def row(rid, tokens, prompt, computed, new, table, params, drafts=()):
+        return ScheduledRequest(
+            request_id=rid, all_token_ids=tokens, num_prompt_tokens=prompt, num_computed_tokens=computed,
+            num_new_tokens=new, block_table=table, sampling_params=params, eos_token_ids=(), sample_seed=None,
+            samples=True, draft_token_ids=list(drafts),
+        )
+
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, 96, size=n)] for n in (5, 9)]
+    tables = [[3, 11, 7, 19, 2, 30, 8, 25, 35, 37], [14, 1, 27, 9, 33, 6, 21, 16, 36, 38]]
+    params = [_Greedy(), GreedyLogprobs()]
+    runners = {eager: runner(eager) for eager in (True, False)}
+    for eager, r in runners.items():
+        r.execute_model(SchedulerOutput([row(str(i), p, len(p), 0, len(p), tables[i], params[i]) for i, p in enumerate(prompts)]))
+    tokens = [p + [int(rng.integers(0, 96))] for p in prompts]  # each prompt and its first token
+    for step in range(5):
+        drafts = [[int(t) for t in rng.integers(0, 96, size=3)] for _ in tokens]
+        rows = [
+            row(str(i), t + d, len(prompts[i]), len(t) - 1, 4, tables[i], params[i], d)
+            for i, (t, d) in enumerate(zip(tokens, drafts))
+        ]
+        outs = {eager: r.execute_model(SchedulerOutput(rows, return_hidden_states=True)) for eager, r in runners.items()}
+        eager, graph = outs[True], outs[False]
+        assert graph.spec_token_ids == eager.spec_token_ids and graph.spec_logprobs == eager.spec_logprobs
+        assert eager.spec_logprobs[1] is not None and len(eager.spec_logprobs[1]) == len(eager.spec_token_ids[1])
+        for g, e in zip(graph.hidden_states, eager.hidden_states):
+            assert g.shape == [4, CONFIG["hidden_size"]]
+            np.testing.assert_array_equal(g.numpy(), e.numpy(), err_msg=f"step {step}")
+        tokens = [t + d + [int(rng.integers(0, 96))] for t, d in zip(tokens, drafts)]  # as if all were kept
+    assert runners[False].graphs.replays[(2, 4)] == 2, dict(runners[False].graphs.replays)
+    assert runners[True].graphs is None
