@@ -12,8 +12,12 @@ weights), sizes and allocates the paged KV cache, and executes one
   decodes this step (plus all prompt rows of requests asking for ``prompt_logprobs``);
 * the :class:`~fastdeploy_core.executor.sampler.Sampler` picks the tokens;
 * a row carrying speculative draft tokens (``1 + k`` query tokens) gets the target's token
-  (greedy or sampled with the request's seed) at all ``k + 1`` positions and keeps the drafts it agrees with (speculative steps run
-  eagerly; only one-token decode steps replay captured graphs).
+  (greedy or sampled with the request's seed) at all ``k + 1`` positions and keeps the drafts it
+  agrees with;
+* decode steps (one token per row) and steps of ``q`` tokens in every row past its prompt
+  (speculative verify steps, a draft model's catch-up) replay captured graphs
+  (:mod:`fastdeploy_core.executor.decode_graph`, which says which shapes it keeps); ragged,
+  prompt and mixed steps run eagerly.
 
 KV cache size: ``--num-gpu-blocks-override`` blocks or ``--kv-cache-memory`` bytes if given;
 else the device's default budget (``Device.default_kv_budget``), measured against the memory
@@ -380,7 +384,7 @@ class ModelRunner:
         set_current_ops(self.ops)
         graphs = self.graphs
         hidden = None
-        if graphs is not None and graphs.accepts(len(reqs), all(r.num_new_tokens == 1 for r in reqs)):
+        if graphs is not None and graphs.accepts(len(reqs), self._uniform_query_len(reqs)):
             meta = self.prepare_inputs(out, host_only=True)
             hidden = graphs.run(meta)
         if hidden is None:
@@ -418,6 +422,21 @@ class ModelRunner:
             result.sampled_token_ids[i] = token
             result.logprobs[i] = lp
         return result
+
+    def _uniform_query_len(self, reqs) -> int | None:
+        """The new tokens every row of the step has, for a captured step (``decode_graph``): 1 for
+        a decode step; ``q > 1`` when every row computes ``q`` tokens past its prompt (a verify
+        step of ``1 + k`` tokens, a draft model's catch-up); None for a ragged step, a step with
+        prompt positions of more than one token per row, or while a layer listener needs the
+        eager forward's per-layer calls."""
+        q = reqs[0].num_new_tokens
+        if any(r.num_new_tokens != q for r in reqs):
+            return None
+        if q == 1:
+            return 1
+        if self.layer_listener is not None or any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+            return None
+        return q
 
     def _verify_drafts(self, out: SchedulerOutput, meta: ForwardMeta, hidden, result: RunnerOutput) -> None:
         """Speculating rows: the target's token at each of the row's ``k + 1`` positions (its
@@ -493,6 +512,17 @@ class ModelRunner:
                 entries.append(top_logprobs(lps[k], target, num))
         return result
 
+    def _multi_token_capture(self) -> str:
+        """How steps of several tokens per sequence are captured, for :meth:`describe`."""
+        from fastdeploy_core.executor.decode_graph import MAX_MULTI_TOKEN_GRAPHS, MAX_QUERY_LEN
+
+        if self.graphs.multi_token_disabled_reason:
+            return f"steps of several tokens per sequence off: {self.graphs.multi_token_disabled_reason}"
+        return (
+            f"steps of 2-{MAX_QUERY_LEN} tokens per sequence from their second occurrence "
+            f"(at most {MAX_MULTI_TOKEN_GRAPHS} such shapes kept)"
+        )
+
     def describe(self) -> dict:
         """Resolved settings, for ``EngineCore.config_info``."""
         layout = self.kv_layout
@@ -527,7 +557,7 @@ class ModelRunner:
                 if self.graphs is None
                 else f"off: {self.graphs.disabled_reason}"
                 if self.graphs.disabled_reason
-                else f"decode batch sizes {_ranges(sorted(self.graphs.capture_sizes))}"
+                else f"decode batch sizes {_ranges(sorted(self.graphs.capture_sizes))}; {self._multi_token_capture()}"
             ),
         }
 

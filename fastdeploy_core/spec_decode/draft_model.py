@@ -22,7 +22,9 @@ context's tokens and the drafts it fed itself). Each step it:
    drafts are simply forgotten (their cache slots are written over by the next tokens);
 2. catches up on the tokens it has not computed (the prompt on the first step, in chunks of the
    step budget; afterwards the accepted drafts and the target's own token), which gives its
-   first guess;
+   first guess; past the prompts, a last catch-up step whose rows differ in length is padded to
+   the longest one (the shorter rows compute their last cached tokens again) so that it, like
+   the one-token steps of 3., replays a captured graph of the draft's runner;
 3. feeds each guess back, one token per step for every drafting request at once, until it has
    ``max_tokens`` guesses (greedy argmax of the draft's logits).
 
@@ -229,7 +231,7 @@ class DraftModelProposer(Proposer):
         pending = rows
         while pending:
             step = pack_chunks(pending, self.max_num_batched_tokens, lambda row: len(row.tokens) - row.computed)
-            self._run(step)
+            self._run(self._uniform(step))
             pending = [row for row in pending if not row.drafts]
         # Then each guess is fed back for the next one.
         while True:
@@ -260,6 +262,29 @@ class DraftModelProposer(Proposer):
             logger.debug("draft cache full: no draft for %s this step", request.request_id)
             return None
         return _Row(index, request, state, tokens, computed)
+
+    def _uniform(self, step: list[tuple[_Row, int]]) -> list[tuple[_Row, int]]:
+        """A last catch-up step whose rows are past their prompts but short of one another (after
+        a verify step, a row whose drafts were all kept has 2 tokens to compute, the others 1),
+        padded to the same ``q`` for every row when the draft's runner captures such steps: a row
+        steps back over tokens its cache holds already and computes them again (same tokens, same
+        positions), so the step replays a captured graph instead of running eagerly. Otherwise
+        ``step`` as it is. The guesses only decide how many tokens the target keeps, never which."""
+        graphs = self.runner.graphs
+        q = max(n for _, n in step)
+        if (
+            graphs is None
+            or len({n for _, n in step}) == 1
+            or not graphs.may_capture(len(step), q)
+            or q * len(step) > self.max_num_batched_tokens
+        ):
+            return step
+        prompt = [row.request.num_prompt_tokens for row, _ in step]
+        if any(row.computed + n != len(row.tokens) or row.computed - (q - n) < p for (row, n), p in zip(step, prompt)):
+            return step  # a row still in its prompt, or not finishing its catch-up here
+        for row, n in step:
+            row.computed -= q - n
+        return [(row, q) for row, _ in step]
 
     def _run(self, step: list[tuple[_Row, int]]) -> None:
         """One forward of the draft over ``(row, tokens to compute)``; a row that reaches the end

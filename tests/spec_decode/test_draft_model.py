@@ -257,3 +257,51 @@ def test_ngram_still_refuses_the_draft_keys():
             proposer_class(args.speculative)
         assert info.value.param == f"speculative_config.{key}"
         assert "method 'ngram' does not read it" in info.value.message
+
+
+@pytest.mark.parametrize("quantization", ["wint4", "wint8"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_verify_and_draft_steps_replay_captured_graphs(models, batch_size, quantization):
+    """With a self-draft every speculating row scores 1 + k tokens: the target's verify steps
+    replay a captured (B, 1 + k) graph, the draft's guesses (B, 1) ones and, where a row's drafts
+    were all kept, its catch-up steps a (B, 2) one (the wint8 draft agrees with the target often
+    enough for that shape to recur here); the tokens are those of speculation off, and of the
+    same run all eager."""
+    requests = [(f"g{i}", p, greedy(60)) for i, p in enumerate(PROMPTS[3:] + PROMPTS[:3])][:batch_size]
+    reference = run(make_core(models["target"], None), requests)
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "quantization": quantization}
+    assert run(make_core(models["target"], spec, enforce_eager=True), requests) == reference
+    core = make_core(models["target"], spec)
+    assert run(core, requests) == reference
+    target, draft = core.runner.graphs, core.proposer.runner.graphs
+    assert target.replays[(batch_size, 3)] > 0, dict(target.replays)
+    assert draft.replays[(batch_size, 1)] > 0, dict(draft.replays)
+    if quantization == "wint8":
+        assert draft.replays[(batch_size, 2)] > 0, dict(draft.replays)
+    assert core.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
+
+
+def test_a_last_catch_up_step_of_unequal_rows_is_padded_to_one_length(models):
+    """After a verify step one row has 2 tokens to catch up (its drafts were all kept), the other
+    1: the shorter row computes its last cached token again, so the step has 2 tokens per row
+    (a shape the draft's runner captures) and each row still gets its guesses."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "quantization": "wint8"}
+    proposer = _proposer(models, spec)
+    a, b = list(PROMPTS[1]), list(PROMPTS[3])
+    pa, pb = len(a) - 4, len(b) - 4  # the last 4 tokens of each were generated
+    first_a, first_b = proposer.propose([DraftRequest("a", a, pa, 2), DraftRequest("b", b, pb, 2)])
+    steps = []
+    execute = proposer.runner.execute_model
+    proposer.runner.execute_model = lambda out: (
+        steps.append([(r.num_computed_tokens, r.num_new_tokens) for r in out.requests]), execute(out)
+    )[1]
+    a_next = a + first_a + [5]  # both drafts kept, then the target's token
+    b_next = b + [(first_b[0] + 1) % 128]  # the first draft rejected
+    again = proposer.propose([DraftRequest("a", a_next, pa, 2), DraftRequest("b", b_next, pb, 2)])
+    assert [len(d) for d in again] == [2, 2]
+    # catch-up: a computes first_a[1] and 5; b steps back over its last generated token
+    assert steps[0] == [(len(a) + 1, 2), (len(b) - 1, 2)]
+    assert steps[1:] == [[(len(a_next), 1), (len(b_next), 1)]]
+    assert proposer._states["b"].fed == b_next + again[1][:1]
+    for rid in ("a", "b"):
+        proposer.forget(rid)

@@ -58,11 +58,25 @@ def test_prefix_cache_hits_with_speculation(tiny):
 
 
 def test_speculation_runs_beside_captured_decode_steps(tiny):
-    """Captured graphs replay the one-token decode steps; speculative steps run eagerly."""
+    """Captured graphs replay the one-token decode steps and the verify steps whose rows all
+    carry as many drafts; ragged verify steps (ngram drafts differ in length) run eagerly."""
     eager = run(make_core(tiny, NGRAM, enforce_eager=True), batch())
     core = make_core(tiny, NGRAM)
     assert run(core, batch()) == eager
     assert core.config_info()["speculative_config"] == NGRAM
+
+
+def test_ngram_verify_steps_of_one_sequence_replay_captured_graphs(tiny):
+    """At batch 1 every verify step is uniform: the target replays a (1, 1 + k) graph for the
+    steps with k drafts, and the tokens are those of speculation off and of eager verify steps."""
+    requests = [("a", PROMPTS[3], greedy(60))]
+    off = run(make_core(tiny, None), requests)
+    assert run(make_core(tiny, NGRAM, enforce_eager=True), requests) == off
+    core = make_core(tiny, NGRAM)
+    assert run(core, requests) == off
+    replays = core.runner.graphs.replays
+    assert replays[(1, 5)] > 0 and replays[(1, 1)] > 0, dict(replays)
+    assert core.get_stats()["spec_decode_num_draft_tokens_total"] > 0
 
 
 @pytest.mark.slow

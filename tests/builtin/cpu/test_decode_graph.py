@@ -124,12 +124,12 @@ def test_replayed_steps_equal_eager_steps_bitwise(ops, method, batch):
             replayed = graphs.run(_host(build_meta(chunks, BLOCK))).numpy()
             assert graphs.captured_sizes == [batch], graphs.disabled_reason
             # recorded on the first step, recorded again on the planned arena on the second
-            assert graphs._graphs[batch].captured.planned == (step >= 1)
+            assert graphs._graphs[batch, 1].captured.planned == (step >= 1)
             np.testing.assert_array_equal(replayed, eager, err_msg=f"step {step}")
             lengths = [n + 1 for n in lengths]
     # The activations share one arena (planned from a first recording): less than half of what
     # one buffer per op would take (~2100 floats per sequence for this model).
-    arena = graphs._graphs[batch].captured.arena_bytes
+    arena = graphs._graphs[batch, 1].captured.arena_bytes
     assert 0 < arena < 0.5 * 2100 * 4 * batch
     for (ek, ev), (gk, gv) in zip(eager_caches, graph_caches):
         np.testing.assert_array_equal(gk.numpy(), ek.numpy())
@@ -311,7 +311,7 @@ def test_the_engine_replays_decode_steps_of_every_batch_size_and_says_so(checkpo
         if eager:
             assert runner.graphs is None and runner.describe()["graph_capture"] == "off"
         else:
-            assert runner.describe()["graph_capture"] == "decode batch sizes 1-4"
+            assert runner.describe()["graph_capture"].startswith("decode batch sizes 1-4; steps of 2-9 tokens")
             assert runner.graphs.captured_sizes  # the batch shrinks 3 -> 2 -> 1 as requests finish
     assert outs[False] == outs[True] and len(outs[False]["2"]) == 12
 
@@ -368,3 +368,160 @@ def test_a_dropped_engine_frees_its_model_and_graphs(checkpoint):
     from paddle import _C_ops
 
     assert [int(_C_ops._run_custom_op("fd_graph_release", h)[0].numpy()[0]) for h in handles] == [0]
+
+
+def _offer(graphs, model, caches, chunks):
+    """One step the way the runner takes it: the graphs when they accept its shape, else eager."""
+    q = len(chunks[0][0])
+    uniform = all(len(c[0]) == q for c in chunks)
+    if graphs.accepts(len(chunks), q if uniform else None):
+        out = graphs.run(_host(build_meta(chunks, BLOCK)))
+        if out is not None:
+            return out
+    return model(build_meta(chunks, BLOCK), caches)
+
+
+@pytest.mark.parametrize("method", [None, '{"quantization": "wint4", "group_size": 32}'])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_verify_steps_of_q_tokens_replay_the_eager_logits_bitwise(ops, method, batch):
+    """Steps of 1 + k tokens per sequence (a verify step's shape) are captured from their second
+    occurrence and replayed: every row's hidden state and logits (all q positions of every
+    sequence) and the KV caches equal the eager forward's bit for bit."""
+    model = _model(method)
+    eager_caches, graph_caches = _caches(model, 40), _caches(model, 40)
+    rng = np.random.default_rng(10 + batch)
+    q = 5
+    tables = [[9 * b + 1 + i for i in range(9)] for b in range(batch)]
+    lengths = [3 + 2 * b for b in range(batch)]
+    graphs = DecodeGraphs(model, ops, graph_caches, range(1, 4), max_model_len=36, block_size=BLOCK)
+    with paddle.no_grad():
+        prefill = [(list(rng.integers(0, 96, size=n)), 0, t[: -(-n // BLOCK)]) for n, t in zip(lengths, tables)]
+        for caches in (eager_caches, graph_caches):
+            model(build_meta(prefill, BLOCK), caches)
+        for step in range(5):  # eager (seen once), recorded, recorded on the arena, replayed twice
+            chunks = [
+                ([int(t) for t in rng.integers(0, 96, size=q)], n, t[: (n + q - 1) // BLOCK + 1])
+                for n, t in zip(lengths, tables)
+            ]
+            eager = model(build_meta(chunks, BLOCK), eager_caches)
+            got = _offer(graphs, model, graph_caches, chunks)
+            np.testing.assert_array_equal(got.numpy(), eager.numpy(), err_msg=f"step {step}")
+            np.testing.assert_array_equal(
+                model.compute_logits(got).numpy(), model.compute_logits(eager).numpy(), err_msg=f"step {step}"
+            )
+            lengths = [n + q for n in lengths]
+    assert graphs.disabled_reason is None and graphs.multi_token_disabled_reason is None
+    assert graphs.captured_shapes == [(batch, q)]
+    assert graphs.replays == {(batch, q): 2}  # fails if the capture silently never happens
+    for (ek, ev), (gk, gv) in zip(eager_caches, graph_caches):
+        np.testing.assert_array_equal(gk.numpy(), ek.numpy())
+        np.testing.assert_array_equal(gv.numpy(), ev.numpy())
+
+
+def test_at_most_max_multi_token_graphs_shapes_of_several_tokens_keep_graphs(ops, monkeypatch):
+    from fastdeploy_core.executor import decode_graph
+
+    assert decode_graph.MAX_MULTI_TOKEN_GRAPHS == 8 and decode_graph.MAX_QUERY_LEN == 9
+    monkeypatch.setattr(decode_graph, "MAX_MULTI_TOKEN_GRAPHS", 3)  # fewer shapes than 8 to walk through
+    model = _model(None)
+    eager_caches, graph_caches = _caches(model, 40), _caches(model, 40)
+    graphs = DecodeGraphs(model, ops, graph_caches, [1, 2], max_model_len=160, block_size=BLOCK)
+    table = list(range(1, 40))
+    length = 0
+    seen: list[int] = []
+    with paddle.no_grad():
+        # lengths 2, 3, 4, 5 three times each (5 evicts (1, 2), the least recently used), then 2
+        # again (evicting (1, 3); recorded at once, as it was seen before), then one token per step
+        for q in [2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 2, 2, 2, 1, 1]:
+            chunks = [([(length + i) % 96 for i in range(q)], length, table[: (length + q - 1) // BLOCK + 1])]
+            eager = model(build_meta(chunks, BLOCK), eager_caches)
+            np.testing.assert_array_equal(_offer(graphs, model, graph_caches, chunks).numpy(), eager.numpy())
+            length += q
+            seen.append(q)
+            multi = [key for key in graphs._graphs if key[1] > 1]
+            assert len(multi) <= 3, multi
+            if len(seen) == 11:  # 5 seen twice: recorded, 2's graphs freed
+                assert graphs.captured_shapes == [(1, 3), (1, 4), (1, 5)]
+    assert graphs.captured_shapes == [(1, 1), (1, 2), (1, 4), (1, 5)]
+    assert sorted(graphs._hosts) == [1, 2, 4, 5]  # the static arrays of q = 3 went with its graph
+    # each length: seen once (eager), recorded, recorded on its arena; then replayed
+    assert dict(graphs.replays) == {(1, 2): 1}
+    assert not graphs.accepts(1, decode_graph.MAX_QUERY_LEN + 1) and not graphs.accepts(3, 2)  # too long; size 3 not listed
+    assert not graphs.accepts(1, None)  # ragged
+
+
+def test_a_refused_multi_token_capture_leaves_decode_steps_captured(ops):
+    model = _model(None)
+    caches = _caches(model)
+
+    class RaggedOnPaddle(type(ops)):
+        def rope_paged_attention(self, qkv, positions, cos_sin_cache, k_cache, v_cache, meta, *args, **kw):
+            if meta.num_tokens > meta.num_seqs:  # the reference formula for steps of several tokens
+                return ReferenceOps.rope_paged_attention(self, qkv, positions, cos_sin_cache, k_cache, v_cache, meta, *args, **kw)
+            return super().rope_paged_attention(qkv, positions, cos_sin_cache, k_cache, v_cache, meta, *args, **kw)
+
+    mixed = RaggedOnPaddle()
+    set_current_ops(mixed)
+    graphs = DecodeGraphs(model, mixed, caches, [1], max_model_len=28, block_size=BLOCK)
+    with paddle.no_grad():
+        model(build_meta([([1, 2, 3], 0, [0, 1, 2])], BLOCK), caches)
+        for length in (3, 4, 5):
+            _offer(graphs, model, caches, [([length], length, [0, 1, 2])])
+        for length in (6, 8):  # seen once: eager; seen twice: recorded, refused
+            _offer(graphs, model, caches, [([1, 2], length, [0, 1, 2])])
+    assert graphs.multi_token_disabled_reason and "read a tensor" in graphs.multi_token_disabled_reason
+    assert graphs.disabled_reason is None
+    assert graphs.captured_shapes == [(1, 1)] and graphs.replays[(1, 1)] == 1
+    assert not graphs.accepts(1, 2) and graphs.accepts(1, 1)
+
+
+def test_the_runner_gives_replayed_verify_steps_the_eager_tokens_logprobs_and_hidden_states(checkpoint):
+    """A verify step (1 + 3 tokens in each of 2 rows, hidden states asked for as the mtp proposer
+    does, one row asking for logprobs) replayed from a captured graph gives the tokens, the
+    logprobs of every position and the hidden states of every row of the eager runner's step."""
+    from fastdeploy_core.executor.model_runner import ModelRunner
+    from fastdeploy_core.executor.step_io import ScheduledRequest, SchedulerOutput
+    from fastdeploy_core.spec_decode.draft_model import _Greedy
+
+    class GreedyLogprobs(_Greedy):
+        logprobs = 2
+
+    def runner(eager: bool) -> ModelRunner:
+        return ModelRunner(
+            EngineArgs.create(
+                model=str(checkpoint), max_model_len=64, block_size=BLOCK, num_gpu_blocks_override=40,
+                enforce_eager=eager,
+            )
+        )
+
+    def row(rid, tokens, prompt, computed, new, table, params, drafts=()):
+        return ScheduledRequest(
+            request_id=rid, all_token_ids=tokens, num_prompt_tokens=prompt, num_computed_tokens=computed,
+            num_new_tokens=new, block_table=table, sampling_params=params, eos_token_ids=(), sample_seed=None,
+            samples=True, draft_token_ids=list(drafts),
+        )
+
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, 96, size=n)] for n in (5, 9)]
+    tables = [[3, 11, 7, 19, 2, 30, 8, 25, 35, 37], [14, 1, 27, 9, 33, 6, 21, 16, 36, 38]]
+    params = [_Greedy(), GreedyLogprobs()]
+    runners = {eager: runner(eager) for eager in (True, False)}
+    for eager, r in runners.items():
+        r.execute_model(SchedulerOutput([row(str(i), p, len(p), 0, len(p), tables[i], params[i]) for i, p in enumerate(prompts)]))
+    tokens = [p + [int(rng.integers(0, 96))] for p in prompts]  # each prompt and its first token
+    for step in range(5):
+        drafts = [[int(t) for t in rng.integers(0, 96, size=3)] for _ in tokens]
+        rows = [
+            row(str(i), t + d, len(prompts[i]), len(t) - 1, 4, tables[i], params[i], d)
+            for i, (t, d) in enumerate(zip(tokens, drafts))
+        ]
+        outs = {eager: r.execute_model(SchedulerOutput(rows, return_hidden_states=True)) for eager, r in runners.items()}
+        eager, graph = outs[True], outs[False]
+        assert graph.spec_token_ids == eager.spec_token_ids and graph.spec_logprobs == eager.spec_logprobs
+        assert eager.spec_logprobs[1] is not None and len(eager.spec_logprobs[1]) == len(eager.spec_token_ids[1])
+        for g, e in zip(graph.hidden_states, eager.hidden_states):
+            assert g.shape == [4, CONFIG["hidden_size"]]
+            np.testing.assert_array_equal(g.numpy(), e.numpy(), err_msg=f"step {step}")
+        tokens = [t + d + [int(rng.integers(0, 96))] for t, d in zip(tokens, drafts)]  # as if all were kept
+    assert runners[False].graphs.replays[(2, 4)] == 2, dict(runners[False].graphs.replays)
+    assert runners[True].graphs is None
