@@ -16,7 +16,10 @@ proportion to what the speculating requests use. When the pool runs dry anyway, 
 no draft that step (its state is dropped; it catches up again later).
 
 Per request the proposer remembers the tokens whose K/V its cache holds (``fed``: the
-context's tokens and the drafts it fed itself). Each step it:
+context's tokens and the drafts it fed itself). After each target step (:meth:`observe`) it
+computes the prompt chunks the target computed in that step (requests without a grammar), so
+the prompt's cost falls in the time to the first token, as the target's own does, and a
+request's first speculative step feeds the draft one token, not its whole prompt. Each step it:
 
 1. rewinds to the longest prefix of ``fed`` that the request's tokens still agree with: rejected
    drafts are simply forgotten (their cache slots are written over by the next tokens);
@@ -87,6 +90,7 @@ class _Row:
     tokens: list[int]  # the request's tokens, then this call's guesses
     computed: int  # positions of ``tokens`` whose K/V the draft cache holds
     drafts: list[int] = field(default_factory=list)
+    guesses: bool = True  # False: computing a prompt chunk, nothing sampled
 
 
 def draft_engine_args(config: SpeculativeConfig, context: ProposerContext, num_blocks: int) -> EngineArgs:
@@ -246,14 +250,46 @@ class DraftModelProposer(Proposer):
             row.state.confirmed = len(row.request.token_ids)
         return out
 
-    def _row(self, index: int, request: DraftRequest) -> _Row | None:
-        """The request's work this call, its cache rewound to what still agrees with its tokens."""
-        state = self._states.setdefault(request.request_id, _DraftState())
-        tokens = list(request.token_ids)
+    def observe(self, step, result) -> None:
+        """Compute the prompt chunks the target computed in ``step`` (see the module docstring):
+        rows still in their prompt, with no grammar mask (those never speculate)."""
+        rows = []
+        for sreq in step.requests:
+            if sreq.draft_token_ids or sreq.token_bitmask is not None or sreq.num_computed_tokens >= sreq.num_prompt_tokens:
+                continue
+            end = min(sreq.num_computed_tokens + sreq.num_new_tokens, sreq.num_prompt_tokens)
+            tokens = sreq.all_token_ids[:end]
+            state = self._states.setdefault(sreq.request_id, _DraftState())
+            computed = self._agreed(state, tokens)
+            if computed >= end:
+                continue
+            if not self._reserve(state, end):
+                self.forget(sreq.request_id)
+                continue
+            request = DraftRequest(sreq.request_id, tokens, sreq.num_prompt_tokens, 0)
+            rows.append(_Row(len(rows), request, state, list(tokens), computed, guesses=False))
+        pending = rows
+        while pending:
+            self._run(pack_chunks(pending, self.max_num_batched_tokens, lambda row: len(row.tokens) - row.computed))
+            pending = [row for row in pending if row.computed < len(row.tokens)]
+        for row in rows:
+            row.state.fed = row.tokens
+            row.state.confirmed = len(row.tokens)
+
+    @staticmethod
+    def _agreed(state: _DraftState, tokens: list[int]) -> int:
+        """How many leading positions of the draft's cache hold ``tokens``."""
         fed, agreed = state.fed, state.confirmed
         limit = min(len(fed), len(tokens))
         while agreed < limit and fed[agreed] == tokens[agreed]:
             agreed += 1
+        return min(agreed, len(tokens))
+
+    def _row(self, index: int, request: DraftRequest) -> _Row | None:
+        """The request's work this call, its cache rewound to what still agrees with its tokens."""
+        state = self._states.setdefault(request.request_id, _DraftState())
+        tokens = list(request.token_ids)
+        agreed = self._agreed(state, tokens)
         # At least the last token is fed: its logits give the first guess.
         computed = min(agreed, len(tokens) - 1)
         # Positions up to the last guess fed back: len(tokens) - 1 + max_tokens - 1.
@@ -302,7 +338,7 @@ class DraftModelProposer(Proposer):
                     sampling_params=GREEDY,
                     eos_token_ids=(),
                     sample_seed=None,
-                    samples=row.computed + n == len(row.tokens),
+                    samples=row.guesses and row.computed + n == len(row.tokens),
                 )
             )
         result = self.runner.execute_model(SchedulerOutput(scheduled))

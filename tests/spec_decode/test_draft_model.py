@@ -305,3 +305,37 @@ def test_a_last_catch_up_step_of_unequal_rows_is_padded_to_one_length(models):
     assert proposer._states["b"].fed == b_next + again[1][:1]
     for rid in ("a", "b"):
         proposer.forget(rid)
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_the_draft_computes_the_prompt_in_the_targets_prompt_steps(models, chunk):
+    """After each of the target's prompt steps the draft has computed the same prompt tokens
+    (whole, or chunk by chunk), so the first speculative step feeds the draft one token (the
+    target's first) instead of the whole prompt; the tokens stay those of speculation off."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "quantization": "wint8"}
+    settings = {"max_num_batched_tokens": chunk} if chunk else {}
+    prompt = list(PROMPTS[1])
+    reference = run(make_core(models["target"], None, **settings), [("r", prompt, greedy(12))])
+    core = make_core(models["target"], spec, **settings)
+    fed = []
+    execute = core.proposer.runner.execute_model
+    core.proposer.runner.execute_model = lambda out: (
+        fed.append([(r.num_computed_tokens, r.num_new_tokens, r.samples) for r in out.requests]), execute(out)
+    )[1]
+    core.add_request(EngineCoreRequest("r", prompt, greedy(12)))
+    outs, held = [], []
+    while core.has_unfinished_requests():
+        for out in core.step():
+            outs.extend(out.new_token_ids)
+        state = core.proposer._states.get("r")
+        held.append(len(state.fed) if state else 0)
+    assert outs == reference[("r", 0)]
+    prompt_steps = -(-len(prompt) // chunk) if chunk else 1
+    # the draft's prompt steps: the target's chunks, nothing sampled
+    want = [[(i * (chunk or len(prompt)), min(chunk or len(prompt), len(prompt) - i * (chunk or len(prompt))), False)]
+            for i in range(prompt_steps)]
+    assert fed[:prompt_steps] == want
+    assert held[prompt_steps - 1] == len(prompt)
+    # the first speculative step: one token (the target's first), which gives the first guess
+    assert fed[prompt_steps] == [(len(prompt), 1, True)]
+    assert core.get_stats()["spec_decode_num_draft_tokens_total"] > 0
