@@ -44,6 +44,10 @@ METHODS = {
     "block_wise_fp8": "block_wise_fp8",
     "kv_int8": '{"kv_cache_quant_type": "int8"}',
     "wint8+kv_int8": '{"quantization": "wint8", "kv_cache_quant_type": "int8"}',
+    # engine settings other than --quantization: bfloat16 linear layers and/or a bfloat16 KV cache
+    "bf16": {"dtype": "bfloat16"},
+    "kv_bf16": {"kv_cache_dtype": "bfloat16"},
+    "bf16+kv_bf16": {"dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
 }
 
 
@@ -87,7 +91,9 @@ def main() -> None:
         spec = METHODS[name]
         t0 = time.perf_counter()
         settings = {"model": args.model, "max_model_len": 1024, "num_gpu_blocks_override": 64, "block_size": 64}
-        if spec:
+        if isinstance(spec, dict):
+            settings.update(spec)
+        elif spec:
             settings["quantization"] = spec
         core = EngineCore(EngineArgs.create(**settings))
         runner = core.runner

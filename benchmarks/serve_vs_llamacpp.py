@@ -130,6 +130,8 @@ SERVERS = {
     "llama-server": ("llama.cpp llama-server -np 64", start_llamacpp_native),
     "llama-cpp-python": ("llama-cpp-python", start_llamacpp),
     "ours-bf16": ("fastdeploy-core --dtype bfloat16", lambda p, n, log: start_ours(p, n, log, ("--dtype", "bfloat16"))),
+    "ours-bf16-kv": ("fastdeploy-core --dtype bfloat16 --kv-cache-dtype bfloat16",
+                     lambda p, n, log: start_ours(p, n, log, ("--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"))),
     "vllm-cpu": ("vLLM-CPU float32", lambda p, n, log: start_vllm(p, n, log, "float32")),
     "vllm-cpu-bf16": ("vLLM-CPU bfloat16", lambda p, n, log: start_vllm(p, n, log, "bfloat16")),
 }
