@@ -49,7 +49,14 @@ SOURCES = (
     _CSRC / "mla_attention.cc",
     _CSRC / "pool_check.cc",
 )
-HEADERS = (_CSRC / "thread_pool.h", _CSRC / "vector_math.h", _CSRC / "f32_tiles.h", _CSRC / "graph.h")
+HEADERS = (
+    _CSRC / "thread_pool.h",
+    _CSRC / "vector_math.h",
+    _CSRC / "f32_tiles.h",
+    _CSRC / "graph.h",
+    _CSRC / "bf16_attention.h",
+    _CSRC / "cpu_features.h",
+)
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
 LD_FLAGS = ["-pthread"]
 CACHE_ENV = "FD_KERNEL_CACHE"

@@ -33,19 +33,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_features.h"
+
 namespace fd_bf16_attention {
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-inline bool cpu_has_dot() {
-#if defined(__x86_64__)
-  static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-  return has;
-#else
-  return false;
-#endif
-}
+inline bool cpu_has_dot() { return fd_kernels::cpu_has_bf16_dot(); }
 
 // The smallest multiple of ln 2 >= x, lane by lane (-inf stays -inf).
 inline f32x16 ln2_ceiling(f32x16 x) {

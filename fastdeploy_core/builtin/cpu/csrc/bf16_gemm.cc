@@ -37,6 +37,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_features.h"
 #include "graph.h"
 #include "paddle/extension.h"
 #include "thread_pool.h"
@@ -53,14 +54,7 @@ constexpr int kRows = 8;                    // rows of x per tile block
 
 enum Path : int64_t { kAuto = 0, kWiden = 1, kDot = 2 };
 
-bool cpu_has_bf16_dot() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-  return has;
-#else
-  return false;
-#endif
-}
+using fd_kernels::cpu_has_bf16_dot;
 
 // float32 -> bfloat16 bits, round to nearest even (Paddle's cast); NaN -> a quiet NaN.
 inline uint16_t to_bf16(float f) {
