@@ -27,6 +27,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from fastdeploy_core.devices.host_cpu import paddle_cpu_kernel_safe
 from fastdeploy_core.devices.padded_batch import PaddedBatch
 
 try:  # present in CPU builds of Paddle 3.x; the plain formulas below are the fallback
@@ -249,7 +250,7 @@ class ReferenceOps:
 
     def rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
         """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, in float32."""
-        if _fused_rms_norm is not None:
+        if _fused_rms_norm is not None and paddle_cpu_kernel_safe(x):
             return _fused_rms_norm(x, weight, None, eps, begin_norm_axis=x.ndim - 1)[0]
         variance = paddle.mean(x * x, axis=-1, keepdim=True)
         return x * paddle.rsqrt(variance + eps) * weight
@@ -263,7 +264,7 @@ class ReferenceOps:
         """
         if residual is None:
             return self.rms_norm(x, weight, eps), x
-        if _fused_rms_norm is not None:
+        if _fused_rms_norm is not None and paddle_cpu_kernel_safe(x):
             normed, summed = _fused_rms_norm(x, weight, None, eps, begin_norm_axis=x.ndim - 1, residual=residual)
             return normed, summed
         summed = x + residual

@@ -26,11 +26,11 @@ import hashlib
 import io
 import logging
 import os
-import platform
 import threading
 from pathlib import Path
 
 from fastdeploy_core.builtin.cpu.process_env import KERNELS_ENV, kernels_disabled
+from fastdeploy_core.devices.host_cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -73,17 +73,6 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def library_name() -> str:
     """``fd_cpu_kernels_<hash>``: the hash covers what changes the binary."""
     import paddle
@@ -93,7 +82,7 @@ def library_name() -> str:
         digest.update(source.read_bytes())
     digest.update(" ".join(CXX_FLAGS + LD_FLAGS).encode())
     digest.update(paddle.__version__.encode())
-    digest.update(_cpu_flags().encode())
+    digest.update(" ".join(sorted(cpu_flags())).encode())
     return f"fd_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
@@ -176,18 +165,18 @@ def load_kernels():
 def has_avx512_vnni() -> bool:
     """Whether this CPU has AVX-512 VNNI (the kernels are built with ``-march=native``, so then
     ``fd_int4_linear`` multiplies the int4 VNNI layout with ``vpdpbusd``)."""
-    return "avx512_vnni" in _cpu_flags().split()
+    return "avx512_vnni" in cpu_flags()
 
 
 def has_avx512_bf16() -> bool:
     """Whether this CPU lists AVX-512 BF16 (``fd_bf16_linear`` then multiplies with ``vdpbf16ps``;
     the kernel itself decides at run time, this is what tests and benchmarks report)."""
-    return "avx512_bf16" in _cpu_flags().split()
+    return "avx512_bf16" in cpu_flags()
 
 
 def has_amx_bf16() -> bool:
     """Whether this CPU lists AMX BF16 tiles (reported only: no kernel uses them yet)."""
-    return "amx_bf16" in _cpu_flags().split()
+    return "amx_bf16" in cpu_flags()
 
 
 def kernel_failure() -> str | None:

@@ -28,12 +28,11 @@ import paddle
 from paddle import nn
 
 from fastdeploy_core.errors import ModelLoadError
-from fastdeploy_core.layers.decoder import DecoderDims, DecoderForCausalLM, DecoderLayer, GatedMLP
+from fastdeploy_core.layers.decoder import DecoderDims, DecoderForCausalLM, GatedMLP
 from fastdeploy_core.layers.kv_layout import KVCacheLayout
-from fastdeploy_core.layers.linear import Linear
 from fastdeploy_core.layers.mla import MLADims, MultiHeadLatentAttention, deinterleave_rope_rows
 from fastdeploy_core.layers.moe import FusedMoE, GroupedTopkRouter
-from fastdeploy_core.layers.norm import RMSNorm
+from fastdeploy_core.layers.mtp import MultiTokenPrediction
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 #: Copies of the main model's embedding and LM head that DeepSeek checkpoints store per MTP
@@ -79,34 +78,7 @@ class DeepseekV3MoE(nn.Layer):
         return out
 
 
-class MultiTokenPredictionLayer(DecoderLayer):
-    """One MTP layer: ``eh_proj([enorm(embedding of token t + 1), hnorm(hidden of token t)])``
-    through a decoder block, then ``shared_head.norm``; the main model's LM head gives the draft.
-
-    The order of the concatenation follows transformers' ``MtpLayer``: the embedding first,
-    unless the config sets ``mtp_hidden_states_first``."""
-
-    def __init__(self, dims: DecoderDims, layer_index: int, mlp: nn.Layer, quant_config, prefix: str, attention):
-        super().__init__(dims, layer_index, mlp, quant_config, prefix=prefix, attention=attention)
-        self.enorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.hnorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.eh_proj = Linear(2 * dims.hidden_size, dims.hidden_size, False, quant_config, f"{prefix}.eh_proj")
-        self.shared_head = nn.Layer()
-        self.shared_head.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.hidden_first = False
-
-    def predict(self, meta, embeds: paddle.Tensor, previous_hidden: paddle.Tensor, kv_cache) -> paddle.Tensor:
-        """The layer's output hidden state ``[T, H]`` (after ``shared_head.norm``) for the rows of
-        ``meta``: row ``t`` pairs the embedding of a token with the hidden state of the token before it."""
-        parts = [self.enorm(embeds), self.hnorm(previous_hidden)]
-        if self.hidden_first:
-            parts.reverse()
-        hidden, residual = super().forward(meta.positions, self.eh_proj(paddle.concat(parts, axis=-1)), None, kv_cache, meta)
-        hidden, _ = self.shared_head.norm(hidden, residual)
-        return hidden
-
-
-class DeepseekV3ForCausalLM(DecoderForCausalLM):
+class DeepseekV3ForCausalLM(MultiTokenPrediction, DecoderForCausalLM):
     """DeepSeek-V3 causal LM over a paged latent cache (see :class:`DecoderForCausalLM` for the interface)."""
 
     family = "DeepSeek-V3"
@@ -115,25 +87,11 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
 
     def __init__(self, hf_config: dict, quant_config=None):
         super().__init__(hf_config, quant_config)
-        self.num_mtp_layers = int(hf_config.get("num_nextn_predict_layers") or 0)
-        layers = []
-        for k in range(self.num_mtp_layers):
-            index = self.dims.num_layers + k
-            prefix = f"model.layers.{index}"
-            layers.append(
-                MultiTokenPredictionLayer(
-                    self.dims,
-                    index,
-                    self.make_mlp(index, f"{prefix}.mlp"),
-                    quant_config,
-                    prefix,
-                    self.make_attention(index, f"{prefix}.self_attn"),
-                )
-            )
-        for layer in layers:
-            layer.hidden_first = bool(hf_config.get("mtp_hidden_states_first", False))
-        #: The MTP layers (loaded and checked; the ``mtp`` proposer's draft, never run by forward).
-        self.mtp_layers = nn.LayerList(layers)
+        # Their order of the projection's input follows transformers' ``MtpLayer``: the embedding
+        # first, unless the config sets ``mtp_hidden_states_first``.
+        self.build_mtp_layers(
+            int(hf_config.get("num_nextn_predict_layers") or 0), bool(hf_config.get("mtp_hidden_states_first", False))
+        )
 
     def make_dims(self, hf_config: dict) -> DecoderDims:
         #: the latent-attention sizes, read first: the layers are built from them
@@ -154,22 +112,6 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
     def kv_cache_layout(self) -> KVCacheLayout:
         """One latent row per token and layer: ``kv_lora_rank + qk_rope_head_dim`` numbers."""
         return KVCacheLayout.latent(self.dims.num_layers, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
-
-    def mtp_kv_cache_layout(self) -> KVCacheLayout:
-        """The MTP layers' cache: one latent row per token and MTP layer, like a decoder layer's."""
-        return KVCacheLayout.latent(self.num_mtp_layers, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
-
-    def forward_mtp(self, meta, previous_hidden: paddle.Tensor, kv_caches, index: int = 0) -> paddle.Tensor:
-        """MTP layer ``index`` over the rows of ``meta`` -> its hidden state ``[T, H]``
-        (:meth:`compute_logits` gives the draft's logits; the hidden state chains into the next
-        guess). ``meta.input_ids[t]`` is the token at position ``p + 1`` and ``previous_hidden[t]``
-        the hidden state the target (or this layer, chaining) gave at position ``p``;
-        ``meta.positions`` are the tokens' own (``p + 1``: the rotary position, as in
-        transformers' ``MtpLayer``), while its slots, sequence lengths and block tables address
-        the MTP cache ``kv_caches[index]`` (of :meth:`mtp_kv_cache_layout`) by row ``p``, so a
-        sequence's rows start at 0."""
-        embeds = self.model.embed_tokens(meta.input_ids)
-        return self.mtp_layers[index].predict(meta, embeds, previous_hidden, kv_caches[index])
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """The layout as ``(num_layers, heads, width)`` of its one cache tensor per layer (one "head")."""

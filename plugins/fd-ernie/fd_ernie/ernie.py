@@ -25,11 +25,22 @@ router ``mlp.gate`` as ``[hidden, experts]``; the embedding and the LM head (Pad
 ``LMHead`` is a ``[vocab, hidden]`` weight) are stored as HF's are. Its rotary embedding rotates adjacent pairs as
 transformers' does, so Q and K rows are in the same order in both layouts. The layout is told
 from the tensor names: a checkpoint of Paddle's has every tensor under ``ernie.``.
+
+Multi-token prediction (read from FastDeploy's ``ernie4_5_mtp`` and ``Ernie4_5_MTPModel``): a
+checkpoint with ``num_nextn_predict_layers = n > 0`` carries ``n`` MTP layers under
+``mtp_emb_norm.{k}``, ``mtp_hidden_norm.{k}``, ``mtp_linear_proj.{k}`` (the ``[embedding,
+hidden]`` projection; ``[in, out]`` in the Paddle layout) and ``mtp_block.{k}`` (a decoder
+layer built as layer ``k`` is: dense below ``moe_layer_start_index``), with the main model's
+embedding, final norm (applied to the block's output) and LM head. They load into
+:attr:`mtp_layers` (:mod:`fastdeploy_core.layers.mtp`) for the ``mtp`` speculative method; the
+target's forward never runs them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+
+import re
 
 import numpy as np
 from paddle import nn
@@ -37,11 +48,17 @@ from paddle import nn
 from fastdeploy_core.errors import ModelLoadError
 from fastdeploy_core.layers.decoder import DecoderDims, DecoderForCausalLM, GatedMLP
 from fastdeploy_core.layers.moe import SparseMoeBlock
+from fastdeploy_core.layers.mtp import MultiTokenPrediction
 
 #: ``ernie.`` is PaddleFormers' ``base_model_prefix`` for ERNIE-4.5; HF's is ``model.``
 PADDLE_PREFIX = "ernie."
 #: Paddle-layout linear weights stored ``[in, out]`` under the same name as HF's ``[out, in]``
 _PADDLE_TRANSPOSED = ("self_attn.o_proj.weight", "down_proj.weight", "mlp.gate.weight")
+#: the MTP layers' ``[embedding, hidden]`` projection, also ``[in, out]`` in the Paddle layout
+_PADDLE_MTP_PROJECTION = re.compile(r"\.mtp_linear_proj\.\d+\.weight$")
+#: ``model.mtp_<part>.<k>.<rest>``: an MTP layer's tensor (HF names, after the Paddle ones are mapped)
+_MTP_TENSOR = re.compile(r"^model\.mtp_(block|emb_norm|hidden_norm|linear_proj)\.(\d+)\.(.+)$")
+_MTP_PARTS = {"emb_norm": "enorm", "hidden_norm": "hnorm", "linear_proj": "eh_proj"}
 
 
 def paddle_to_hf_tensors(name: str, array, dims: DecoderDims) -> Iterator[tuple[str, np.ndarray]]:
@@ -70,7 +87,7 @@ def paddle_to_hf_tensors(name: str, array, dims: DecoderDims) -> Iterator[tuple[
         transpose = name.endswith(".weight")
         yield name.replace("up_gate_proj", "gate_proj"), gate.T.copy() if transpose else gate
         yield name.replace("up_gate_proj", "up_proj"), up.T.copy() if transpose else up
-    elif name.endswith(_PADDLE_TRANSPOSED) and array.ndim == 2:
+    elif (name.endswith(_PADDLE_TRANSPOSED) or _PADDLE_MTP_PROJECTION.search(name)) and array.ndim == 2:
         yield name, array.T.copy()
     else:
         yield name, array
@@ -82,10 +99,23 @@ def adjacent_to_half_rotation(rows: int, head_dim: int) -> np.ndarray:
     return np.arange(rows).reshape(rows // head_dim, head_dim // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-class Ernie4_5ForCausalLM(DecoderForCausalLM):
+class Ernie4_5ForCausalLM(MultiTokenPrediction, DecoderForCausalLM):
     """ERNIE-4.5 dense causal LM (see :class:`DecoderForCausalLM` for the interface)."""
 
     family = "ERNIE-4.5"
+    #: FastDeploy's ``Ernie4_5_MTPModel`` applies the main model's ``ernie.norm`` to the MTP block's output.
+    mtp_own_output_norm = False
+
+    def __init__(self, hf_config: dict, quant_config=None):
+        super().__init__(hf_config, quant_config)
+        self.build_mtp_layers(int(hf_config.get("num_nextn_predict_layers") or 0))
+
+    def mtp_block_index(self, k: int) -> int:
+        """``mtp_block.{k}`` is built as decoder layer ``k`` (FastDeploy reads the index off its name)."""
+        return k
+
+    def mtp_prefix(self, k: int) -> str:
+        return f"model.mtp_block.{k}"
 
     def make_dims(self, hf_config: dict) -> DecoderDims:
         dims = DecoderDims(hf_config, self.family)
@@ -104,7 +134,22 @@ class Ernie4_5ForCausalLM(DecoderForCausalLM):
             ):
                 hf_array = np.asarray(hf_array)
                 hf_array = hf_array[adjacent_to_half_rotation(hf_array.shape[0], self.dims.head_dim)]
+            mtp = _MTP_TENSOR.match(hf_name)
+            if mtp is not None:
+                part, k, rest = mtp.groups()
+                hf_name = f"mtp_layers.{k}.{rest}" if part == "block" else f"mtp_layers.{k}.{_MTP_PARTS[part]}.{rest}"
             yield hf_name, hf_array
+
+    def missing_tensors_error(self, missing: list[str]) -> ModelLoadError:
+        mtp = [name for name in missing if name.startswith("mtp_layers.")]
+        if not mtp:
+            return super().missing_tensors_error(missing)
+        return ModelLoadError(
+            f"config.json declares num_nextn_predict_layers={self.num_mtp_layers} multi-token-prediction layer(s) "
+            f"(mtp_block, mtp_emb_norm, mtp_hidden_norm, mtp_linear_proj), but the checkpoint lacks {len(mtp)} of "
+            f"their tensors, e.g. {', '.join(mtp[:5])} (our names); use the checkpoint with its MTP weights, or set "
+            "num_nextn_predict_layers to 0 in config.json to serve without them"
+        )
 
 
 class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):

@@ -183,7 +183,8 @@ def _to_paddle_layout(hf_dir: str, paddle_dir: str, hf_config: dict) -> None:
     ``paddle.nn.Linear`` weights ``[in, out]``; ``self_attn.qkv_proj`` = Q, K, V concatenated on
     the output axis (split back as ``[num_heads, num_kv_heads, num_kv_heads]`` heads);
     ``mlp.up_gate_proj`` = gate then up on the output axis (``gate, up = chunk(2, -1)``) in MLPs,
-    experts and shared experts; the router ``mlp.gate`` ``[hidden, experts]``; embedding, LM head
+    experts and shared experts; the router ``mlp.gate`` and an MTP layer's ``mtp_linear_proj``
+    ``[in, out]`` like the other linear weights; embedding, LM head
     and ``moe_statics.e_score_correction_bias`` as HF stores them.
     """
     import json
@@ -208,7 +209,7 @@ def _to_paddle_layout(hf_dir: str, paddle_dir: str, hf_config: dict) -> None:
             out[paddle_name.replace("gate_proj", "up_gate_proj")] = fused.T.copy() if leaf == "weight" else fused
         elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".up_proj." in name:
             continue  # fused above
-        elif name.endswith(("o_proj.weight", "down_proj.weight", "mlp.gate.weight")):
+        elif name.endswith(("o_proj.weight", "down_proj.weight", "mlp.gate.weight")) or ".mtp_linear_proj." in name:
             out[paddle_name] = array.T.copy()
         else:
             out[paddle_name] = array
