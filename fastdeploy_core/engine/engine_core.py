@@ -216,12 +216,14 @@ class EngineCore:
         from fastdeploy_core.executor.tensor_parallel import TensorParallelRunner
 
         self.args = args
+        runner_kw = {}
         if args.speculative.enabled:  # an unknown method or settings it cannot run with: refused before loading
             from fastdeploy_core.spec_decode import proposer_class
 
-            proposer_class(args.speculative, plugin_manager, args)
+            if proposer_class(args.speculative, plugin_manager, args).uses_mtp_cache:
+                runner_kw["with_mtp_cache"] = True  # its blocks hold the MTP layers' rows as well
         runner_cls = TensorParallelRunner if args.parallel.tensor_parallel_size > 1 else ModelRunner
-        self.runner = runner_cls(args, plugin_manager)
+        self.runner = runner_cls(args, plugin_manager, **runner_kw)
         self.model_source = self.runner.source
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size

@@ -64,12 +64,15 @@ def default_max_num_batched_tokens(args: EngineArgs, max_model_len: int) -> int:
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler; see the module docstring."""
 
-    def __init__(self, args: EngineArgs, plugin_manager=None):
+    def __init__(self, args: EngineArgs, plugin_manager=None, with_mtp_cache: bool = False):
+        """``with_mtp_cache``: the model's MTP layers' cache is budgeted with the target's (each
+        block holds both) and allocated now (the ``mtp`` speculative method drafts with them)."""
         from fastdeploy_core.loader import load_model_weights, resolve_model_source
         from fastdeploy_core.loader.gguf_loader import close_gguf_readers
         from fastdeploy_core.plugins import load_plugins
 
         self.args = args
+        self.with_mtp_cache = with_mtp_cache
         pm = plugin_manager or load_plugins()
         self.device_cls = pm.select_device(args.parallel.device)
         check_dtype(args.model.dtype, self.device_cls.name, tuple(self.device_cls.supported_dtypes))
@@ -131,8 +134,10 @@ class ModelRunner:
         self.max_num_batched_tokens = default_max_num_batched_tokens(args, self.max_model_len)
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        #: The model's MTP layers' cache (:meth:`mtp_kv_caches`), made when first asked for.
+        #: The model's MTP layers' cache (:meth:`mtp_kv_caches`), made now when budgeted, else when first asked for.
         self._mtp_kv_caches: list[tuple] | None = None
+        if self.mtp_layout is not None:
+            self._mtp_kv_caches = self._allocate_kv_cache(self.num_blocks, self.mtp_layout)
         self.sampler = Sampler()
         self.graphs = self._decode_graphs()
         #: ``(step, layer index)``, called in eager forwards as each decoder layer's KV rows of the
@@ -235,12 +240,24 @@ class ModelRunner:
         """The cache layout the model declares (key/value per KV head, or one latent row)."""
         return kv_cache_layout(self.model)
 
-    @property
-    def bytes_per_block(self) -> int:
-        layout = self.kv_layout
+    def _layout_bytes_per_block(self, layout: KVCacheLayout) -> int:
         if self.kv_quantizer is not None:
             return layout.num_layers * self.block_size * self.kv_quantizer.layout_bytes_per_token(layout)
         return layout.num_layers * self.block_size * layout.bytes_per_token(CACHE_DTYPE_BYTES[self.kv_dtype])
+
+    @property
+    def mtp_layout(self) -> KVCacheLayout | None:
+        """The MTP layers' cache layout when this runner holds their cache (``with_mtp_cache``
+        and a model with MTP layers), else ``None``."""
+        if not self.with_mtp_cache or int(getattr(self.model, "num_mtp_layers", 0) or 0) < 1:
+            return None
+        return self.model.mtp_kv_cache_layout()
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block of the target's layers, plus the MTP layers' when the runner holds their cache."""
+        mtp = self.mtp_layout
+        return self._layout_bytes_per_block(self.kv_layout) + (self._layout_bytes_per_block(mtp) if mtp else 0)
 
     def activation_bytes(self) -> int:
         """Peak temporary memory of one step of ``max_num_batched_tokens`` tokens (an estimate)."""
@@ -322,8 +339,10 @@ class ModelRunner:
         allocated on first use with as many blocks as the target's and addressed by the same
         block ids: a request's MTP rows live in the blocks the engine's block manager gave it, so
         they are freed, preempted and prefix-cached with its target rows. The ``mtp`` proposer
-        asks for it; the budget of :meth:`_determine_num_blocks` counts the target's layers only
-        (the MTP layers add ``num_mtp_layers / num_layers`` of it, e.g. 1/61 for DeepSeek-V3)."""
+        asks for it. With ``with_mtp_cache`` (the engine sets it for a proposer that declares
+        ``uses_mtp_cache``) it was budgeted with the target's and allocated with it; else it is
+        allocated here, beyond the budget (the MTP layers add ``num_mtp_layers / num_layers`` of
+        it, e.g. 1/61 for DeepSeek-V3)."""
         if self._mtp_kv_caches is None:
             self._mtp_kv_caches = self._allocate_kv_cache(self.num_blocks, self.model.mtp_kv_cache_layout())
         return self._mtp_kv_caches
@@ -547,7 +566,8 @@ class ModelRunner:
                 "num_layers": layout.num_layers,
                 "kind": layout.kind,
                 "token_shapes": [list(shape) for shape in layout.token_shapes],
-                "bytes_per_token_per_layer": self.bytes_per_block // (layout.num_layers * self.block_size),
+                "bytes_per_token_per_layer": self._layout_bytes_per_block(layout) // (layout.num_layers * self.block_size),
+                "mtp_layers": self.mtp_layout.num_layers if self.mtp_layout else 0,
                 "dtype": self.kv_quantizer.name if self.kv_quantizer is not None else self.kv_dtype,
             },
             "max_num_batched_tokens": self.max_num_batched_tokens,

@@ -72,6 +72,9 @@ class Proposer(ABC):
     #: Whether the proposer drafts from the target's hidden states: the engine then asks the
     #: runner for them each step and hands them over through :meth:`observe`.
     wants_hidden_states: ClassVar[bool] = False
+    #: Whether it drafts with the model's MTP layers over the runner's MTP cache: the engine
+    #: then has the runner budget and allocate that cache with the target's KV cache.
+    uses_mtp_cache: ClassVar[bool] = False
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext):
         self.config = config

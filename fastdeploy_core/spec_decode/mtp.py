@@ -131,6 +131,7 @@ class MtpProposer(Proposer):
 
     reads = frozenset({"num_model_steps"})
     wants_hidden_states = True
+    uses_mtp_cache = True
 
     @classmethod
     def check_config(cls, config: SpeculativeConfig) -> None:

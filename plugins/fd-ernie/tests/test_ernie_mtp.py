@@ -250,3 +250,20 @@ def test_an_agreeing_mtp_layer_has_every_draft_accepted(agreeing):
     proposed, accepted = stats["spec_decode_num_draft_tokens_total"], stats["spec_decode_num_accepted_tokens_total"]
     assert proposed > 0 and accepted == proposed, stats
     assert stats["spec_decode_mean_accepted_length"] > 2.5
+
+
+def test_the_mtp_cache_is_budgeted_with_the_targets(with_mtp):
+    """Under ``--kv-cache-memory`` each block holds the target's rows and the MTP layer's: 3
+    decoder layers + 1 MTP layer of 2 KV heads x 16 floats (K and V) per token, block size 4."""
+    path = with_mtp[1]
+    budget = 1 << 20
+    per_layer_block = 4 * 2 * 2 * 16 * 4  # tokens x (K, V) x heads x head_dim x float32 bytes
+    off = _core(path, None, num_gpu_blocks_override=None, kv_cache_memory=budget)
+    on = _core(path, MTP, num_gpu_blocks_override=None, kv_cache_memory=budget)
+    assert off.runner.num_blocks == budget // (3 * per_layer_block)
+    assert on.runner.num_blocks == budget // (4 * per_layer_block)
+    assert on.runner.bytes_per_block == 4 * per_layer_block
+    caches = on.runner._mtp_kv_caches  # allocated with the target's, before any request
+    assert caches is not None and len(caches) == 1 and caches[0][0].shape[0] == on.runner.num_blocks
+    assert off.runner._mtp_kv_caches is None
+    assert _run(on, _batch(8)) == _run(off, _batch(8))
