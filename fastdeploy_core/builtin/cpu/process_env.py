@@ -146,6 +146,12 @@ def quiet_paddle_thread_warning() -> None:
     sys.meta_path.insert(0, _PaddleImportFinder())
 
 
+def kernels_forced(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether ``FD_CPU_KERNELS=1`` asks for the kernels even on a CPU they are not chosen for (no AVX-512)."""
+    value = (os.environ if environ is None else environ).get(KERNELS_ENV)
+    return value is not None and value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def kernels_disabled(environ: MutableMapping[str, str] | None = None) -> bool:
     """Whether ``FD_CPU_KERNELS=0`` (or the former ``FD_DISABLE_QUANT_KERNELS=1``) is set."""
     environ = os.environ if environ is None else environ

@@ -90,3 +90,36 @@ def test_loading_the_kernels_logs_nothing_from_paddle():
     proc = _python(code, "1")
     assert proc.returncode == 0, proc.stderr
     assert "custom operator" not in proc.stderr, proc.stderr
+
+
+_CHOICE = (
+    "import fastdeploy_core.devices.host_cpu as h; "
+    "h.cpu_flags.cache_clear(); flags = h.cpu_flags(); "
+    "h.cpu_flags = lambda: frozenset(f for f in flags if not f.startswith('avx512')) if {strip} else flags; "
+    "import fastdeploy_core.builtin.cpu.kernels as k; k.has_avx512f = h.has_avx512f; "
+    "print('RESULT', k.load_kernels() is not None, k.kernel_failure())"
+)
+
+
+@pytest.mark.parametrize(
+    ("strip", "env", "loaded"),
+    [(True, None, False), (True, "1", True), (True, "0", False), (False, None, None)],
+    ids=["no_avx512_default", "no_avx512_forced", "no_avx512_disabled", "this_cpu_default"],
+)
+def test_kernels_are_chosen_by_default_only_with_avx512(strip, env, loaded):
+    """A CPU without AVX-512 runs Paddle's ops unless FD_CPU_KERNELS=1; the reason is stated."""
+    from fastdeploy_core.devices.host_cpu import has_avx512f
+
+    environ = {k: v for k, v in os.environ.items() if k != "FD_CPU_KERNELS"}
+    if env is not None:
+        environ["FD_CPU_KERNELS"] = env
+    done = subprocess.run(
+        [sys.executable, "-c", _CHOICE.format(strip=strip)], capture_output=True, text=True, timeout=600, env=environ
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")][-1]
+    if loaded is None:  # this machine's own choice
+        loaded = has_avx512f()
+    assert line.startswith(f"RESULT {loaded}"), line
+    if strip and env is None:
+        assert "this CPU has no AVX-512" in line and "FD_CPU_KERNELS=1 uses the kernels anyway" in line
