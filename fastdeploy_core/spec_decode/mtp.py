@@ -25,13 +25,18 @@ step about to run):
 1. it catches up on rows ``computed .. L - 2`` (after prefill the prompt, in chunks of the step's
    token budget; afterwards the accepted drafts and the target's own token of the last step);
    the last row's output gives the first guess, the token at ``L``;
-2. it feeds each guess back with the layer's own output hidden state in place of the target's
-   (one MTP layer chained, as FastDeploy's ``num_model_steps`` and vLLM do), one row per guess
-   for every drafting request at once, until it has ``max_tokens`` guesses or the next row
-   would fall beyond the request's blocks.
+2. with ``D > 1`` MTP layers (DeepSeek-V3's sequential modules: layer ``j`` reads layer
+   ``j - 1``'s output at a row and the token ``j + 1`` after the row's position), layer ``j``
+   guesses the token at ``L + j`` from row ``L - 2``: its rows up to ``L - 2 - j`` read known
+   tokens and are caught up like layer 0's (each layer keeps the outputs of the layer before it
+   until it has read them), its rows ``L - 1 - j .. L - 2`` read the guesses so far;
+3. it feeds each further guess back to the last layer run with that layer's own output hidden
+   state in place of the one it reads (one layer chained, as FastDeploy's ``num_model_steps``
+   and vLLM do), one row per guess for every drafting request at once, until it has
+   ``max_tokens`` guesses or the next row would fall beyond the request's blocks.
 
-Rows written by step 2 are guesses; the next call starts again at ``L - 1`` and writes over them
-(a rejected draft needs no other rollback), and the target's hidden states of rejected drafts
+Rows read from guesses (steps 2 and 3) are written over by the next call's catch-up (a rejected
+draft needs no other rollback), and the target's hidden states of rejected drafts
 are dropped when the next step recomputes those positions. A request whose first computed
 position is past 0 (a prefix-cache hit, a decode instance's prompt computed elsewhere) starts
 its MTP rows there: the cached blocks' MTP rows are whatever the request that computed them
@@ -115,15 +120,22 @@ class _Row:
 
     index: int  # in the call's request list
     request: DraftRequest
-    state: _MtpState
+    state: _MtpState  # layer 0's: the target's hidden states
     next: int  # the next MTP row to compute from the target's hidden states
     drafts: list[int] = field(default_factory=list)
-    hidden: Any = None  # the layer's output at the last row computed, [1, H]
+    hidden: Any = None  # the last layer run's output at the last row computed, [1, H]
+    #: layers 1..: their states (the catch-up outputs of the layer before, not yet fed)
+    deeper: list[_MtpState] = field(default_factory=list)
+    #: the last layer run's outputs at its guessed rows L - j .. L - 2 ([j - 1, H]; None: none)
+    guessed_out: Any = None
 
     @property
     def last(self) -> int:
         """The last row the target's hidden states feed: ``L - 2``."""
         return len(self.request.token_ids) - 2
+
+    def wants_more(self) -> bool:
+        return len(self.drafts) < self.request.max_tokens
 
 
 class MtpProposer(Proposer):
@@ -175,19 +187,23 @@ class MtpProposer(Proposer):
             )
         self.runner = runner
         self.model = model
+        self.num_layers = layers
         self.block_size = runner.block_size
         self.max_num_batched_tokens = runner.max_num_batched_tokens
-        self._states: dict[str, _MtpState] = {}
+        #: per request, one state per MTP layer (layer 0's holds the target's hidden states)
+        self._states: dict[str, list[_MtpState]] = {}
 
     # ---- what the target computed ----------------------------------------------------------
     def observe(self, step, result) -> None:
         for row, hidden in zip(step.requests, result.hidden_states):
             start = row.num_computed_tokens
-            state = self._states.get(row.request_id)
+            states = self._states.get(row.request_id)
+            state = states[0] if states else None
             if state is None or start < state.computed or start > state.end:
                 # New (its first computed position may be past 0: a prefix-cache hit), or not
-                # continuing the positions held: the MTP rows start again here.
-                state = self._states[row.request_id] = _MtpState(computed=start)
+                # continuing the positions held: the MTP rows of every layer start again here.
+                states = self._states[row.request_id] = [_MtpState(computed=start) for _ in range(self.num_layers)]
+                state = states[0]
             else:
                 state.keep_before(start)
             state.chunks.append((start, hidden))
@@ -200,10 +216,11 @@ class MtpProposer(Proposer):
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         rows = []
         for i, request in enumerate(requests):
-            state = self._states.get(request.request_id)
-            if request.max_tokens <= 0 or state is None:
+            states = self._states.get(request.request_id)
+            if request.max_tokens <= 0 or states is None:
                 continue
-            row = _Row(i, request, state, state.computed)
+            row = _Row(i, request, states[0], states[0].computed, deeper=states[1:])
+            state = row.state
             # The hidden states of rows computed .. L - 2 must be held (the runner gave them).
             if row.next > row.last or state.first > row.next or state.end <= row.last:
                 continue
@@ -215,34 +232,34 @@ class MtpProposer(Proposer):
 
         set_current_ops(self.runner.ops)
         caches = self.runner.mtp_kv_caches()
-        # Catch up on the rows the target's hidden states feed; a row's last one gives its first guess.
-        pending = rows
-        while pending:
-            step = pack_chunks(pending, self.max_num_batched_tokens, lambda row: row.last + 1 - row.next)
-            previous = paddle.concat([row.state.rows(row.next, n) for row, n in step], axis=0)
-            tokens = [row.request.token_ids[row.next + 1 : row.next + 1 + n] for row, n in step]
-            hidden = self._forward(step, tokens, previous, caches)
-            ends = self._guess(step, hidden)
-            for (row, n), end in zip(step, ends):
-                row.next += n
-                if row.next > row.last:
-                    row.hidden = hidden[end : end + 1]
-            pending = [row for row in pending if row.next <= row.last]
+        # Layer 0 catches up on the rows the target's hidden states feed; a row's last one gives its first guess.
+        self._catch_up(rows, 0, lambda row: row.next, lambda row: row.last, caches)
         for row in rows:
             row.state.computed = row.last + 1
             row.state.drop_before(row.state.computed)
-        # Then each guess is fed back with the layer's own output in place of the target's.
+        # Layers 1 .. D - 1: layer j guesses the token at L + j from the same row L - 2.
+        last_layer = 0
+        for j in range(1, self.num_layers):
+            deep = [row for row in rows if len(row.drafts) == j and row.wants_more()]
+            if not deep:
+                break
+            last_layer = j
+            self._deeper(deep, j, caches)
+        # Then each further guess is fed back to the last layer run with its own output in place
+        # of the hidden state it reads, one row further each time.
+        index = last_layer
         while True:
             step = [
                 (row, 1)
                 for row in rows
-                if len(row.drafts) < row.request.max_tokens
+                if row.wants_more()
+                and len(row.drafts) >= index + 1
                 and (row.next // self.block_size) < len(row.request.block_table)
             ]
             if not step:
                 break
             previous = paddle.concat([row.hidden for row, _ in step], axis=0)
-            hidden = self._forward(step, [[row.drafts[-1]] for row, _ in step], previous, caches)
+            hidden = self._forward(step, [[row.drafts[-1]] for row, _ in step], previous, caches, index)
             for (row, _), end in zip(step, self._guess(step, hidden)):
                 row.next += 1
                 row.hidden = hidden[end : end + 1]
@@ -250,12 +267,93 @@ class MtpProposer(Proposer):
             out[row.index] = row.drafts
         return out
 
-    def _forward(self, step: list[tuple[_Row, int]], tokens: list[list[int]], previous, caches):
-        """The MTP layer over rows ``row.next .. row.next + n - 1`` of each ``(row, n)``: the
-        token after each position (``tokens``) with the hidden state at it (``previous``)."""
+    def _catch_up(self, rows: list[_Row], layer: int, first, last, caches) -> None:
+        """Layer ``layer`` over rows ``first(row) .. last(row)`` of each row, in steps of the token
+        budget, reading the held hidden states of its state; the last row's output gives a guess
+        (its hidden state kept in ``row.hidden``). The outputs go to the next layer's state."""
+        pending = [row for row in rows if first(row) <= last(row)]
+        cursor = {id(row): first(row) for row in pending}
+        while pending:
+            step = pack_chunks(pending, self.max_num_batched_tokens, lambda row: last(row) + 1 - cursor[id(row)])
+            state_of = (lambda row: row.state) if layer == 0 else (lambda row: row.deeper[layer - 1])
+            previous = paddle.concat([state_of(row).rows(cursor[id(row)], n) for row, n in step], axis=0)
+            tokens = [
+                row.request.token_ids[cursor[id(row)] + layer + 1 : cursor[id(row)] + layer + 1 + n] for row, n in step
+            ]
+            starts = [cursor[id(row)] for row, _ in step]
+            hidden = self._forward(step, tokens, previous, caches, layer, starts)
+            offset = 0
+            guessing = []
+            for (row, n), start in zip(step, starts):
+                if layer + 1 < self.num_layers and row.deeper:
+                    row.deeper[layer].chunks.append((start, hidden[offset : offset + n]))
+                cursor[id(row)] += n
+                if cursor[id(row)] > last(row):
+                    row.hidden = hidden[offset + n - 1 : offset + n]
+                    if layer == 0:
+                        row.next = cursor[id(row)]
+                        guessing.append(row)
+                offset += n
+            if guessing:
+                for row, token in zip(guessing, self._greedy(paddle.concat([row.hidden for row in guessing], axis=0))):
+                    row.drafts.append(token)
+            pending = [row for row in pending if cursor[id(row)] <= last(row)]
+
+    def _deeper(self, rows: list[_Row], j: int, caches) -> None:
+        """MTP layer ``j`` (>= 1): it reads layer ``j - 1``'s output at a row and the token ``j + 1``
+        after it (DeepSeek-V3's sequential MTP modules). Its rows up to ``L - 2 - j`` read known
+        tokens (caught up as layer 0's are, then kept); rows ``L - 1 - j .. L - 2`` read guesses,
+        and row ``L - 2``'s output guesses the token at ``L + j``."""
+        usable = []
+        for row in rows:
+            state = row.deeper[j - 1]
+            known_last = row.last - j
+            # Held: layer j - 1's outputs from the layer's computed row through row L - 1 - j.
+            if state.first > state.computed or state.end <= known_last + 1:
+                continue
+            usable.append(row)
+        if not usable:
+            return
+        self._catch_up(usable, j, lambda row: row.deeper[j - 1].computed, lambda row: row.last - j, caches)
+        for row in usable:
+            state = row.deeper[j - 1]
+            state.computed = max(state.computed, row.last - j + 1)
+            state.drop_before(state.computed)
+        # The guessed rows L - 1 - j .. L - 2, each request at once.
+        step = [(row, j) for row in usable]
+        previous = paddle.concat(
+            [
+                paddle.concat([row.deeper[j - 1].rows(row.last + 1 - j, 1)] + ([row.guessed_out] if j > 1 else []), axis=0)
+                for row in usable
+            ],
+            axis=0,
+        )
+        # Row L - 1 - j reads the token at L (the first guess), row L - 2 the one at L - 1 + j.
+        tokens = [row.drafts[:j] for row in usable]
+        starts = [row.last + 1 - j for row in usable]
+        hidden = self._forward(step, tokens, previous, caches, j, starts)
+        ends = [j * (i + 1) - 1 for i in range(len(usable))]
+        for i, row in enumerate(usable):
+            row.guessed_out = hidden[ends[i] + 1 - j : ends[i] + 1]
+            row.hidden = hidden[ends[i] : ends[i] + 1]
+            row.next = row.last + 1
+        for row, token in zip(usable, self._greedy(paddle.concat([row.hidden for row in usable], axis=0))):
+            row.drafts.append(token)
+
+    def _greedy(self, last) -> list[int]:
+        greedy = getattr(self.model, "compute_greedy_tokens", None)
+        if greedy is not None:
+            return [int(t) for t in greedy(last)]
+        return [int(t) for t in np.argmax(self.model.compute_logits(last).numpy(), axis=-1)]
+
+    def _forward(self, step: list[tuple[_Row, int]], tokens: list[list[int]], previous, caches, index: int = 0,
+                 starts: list[int] | None = None):
+        """MTP layer ``index`` over rows ``start .. start + n - 1`` of each ``(row, n)`` (``start``:
+        ``starts``, else ``row.next``): the token it reads at each row (``tokens``) with the
+        hidden state (``previous``)."""
         bs = self.block_size
         q_lens = np.array([n for _, n in step], dtype=np.int64)
-        firsts = np.array([row.next for row, _ in step], dtype=np.int64)
+        firsts = np.array(starts if starts is not None else [row.next for row, _ in step], dtype=np.int64)
         query_start_loc = np.zeros(len(step) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_loc[1:])
         num = int(query_start_loc[-1])
@@ -275,32 +373,20 @@ class MtpProposer(Proposer):
             block_size=bs,
             logits_indices=paddle.to_tensor(query_start_loc[1:] - 1),
         )
-        return self.model.forward_mtp(meta, previous, caches, 0)
+        return self.model.forward_mtp(meta, previous, caches, index)
 
     def _guess(self, step: list[tuple[_Row, int]], hidden) -> list[int]:
-        """Append the greedy guess of each row whose chunk ends at its last row; the output
-        row index of every chunk's end, in order."""
-        ends, guessing = [], []
-        offset = 0
-        for i, (row, n) in enumerate(step):
-            offset += n
-            ends.append(offset - 1)
-            if row.next + n > row.last:
-                guessing.append(i)
-        if guessing:
-            last = paddle.index_select(hidden, paddle.to_tensor([ends[i] for i in guessing], dtype="int64"), axis=0)
-            greedy = getattr(self.model, "compute_greedy_tokens", None)
-            if greedy is not None:
-                tokens = [int(t) for t in greedy(last)]
-            else:
-                tokens = [int(t) for t in np.argmax(self.model.compute_logits(last).numpy(), axis=-1)]
-            for i, token in zip(guessing, tokens):
-                step[i][0].drafts.append(token)
-        return ends
+        """Append the greedy guess of each row (every chunk of ``step`` ends at a guessing row);
+        the output row index of every chunk's end, in order."""
+        ends = list(np.cumsum([n for _, n in step]) - 1)
+        last = paddle.index_select(hidden, paddle.to_tensor(ends, dtype="int64"), axis=0)
+        for (row, _), token in zip(step, self._greedy(last)):
+            row.drafts.append(token)
+        return [int(e) for e in ends]
 
     def describe(self) -> dict[str, Any]:
         info = super().describe()
-        info["mtp"] = {"num_mtp_layers": int(self.model.num_mtp_layers), "layers_used": 1}
+        info["mtp"] = {"num_mtp_layers": int(self.model.num_mtp_layers), "layers_used": self.num_layers}
         return info
 
     def close(self) -> None:

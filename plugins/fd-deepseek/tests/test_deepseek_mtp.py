@@ -35,19 +35,38 @@ MTP = {"method": "mtp", "num_speculative_tokens": 3}
 MORE_PROMPTS = [*PROMPTS, [1, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57], [1, 12, 12, 12, 12, 30]]
 
 
-def _save_with_mtp(tmp_path_factory, name: str, tag: str):
-    """transformers' DeepSeek-V3 ``name`` plus one random ``MtpLayer`` saved as ``model.layers.{N}``
-    in DeepSeek's names: (path, the HF model, the HF MTP layer)."""
+def _save_with_mtp(tmp_path_factory, name: str, tag: str, count: int = 1):
+    """transformers' DeepSeek-V3 ``name`` plus ``count`` random ``MtpLayer`` s saved as
+    ``model.layers.{N + k}`` in DeepSeek's names: (path, the HF model, the first HF MTP layer)."""
     hf_model = _hf_model(name)
     path = str(tmp_path_factory.mktemp(f"mtp_{tag}"))
     hf_model.save_pretrained(path, safe_serialization=True)
-    _, mtp = add_mtp_layer(path, hf_model)
+    _, mtp = add_mtp_layer(path, hf_model, count)
     return path, hf_model, mtp
 
 
 @pytest.fixture(scope="module")
 def with_mtp(tmp_path_factory):
     return _save_with_mtp(tmp_path_factory, NAME, "random")
+
+
+def _make_agreeing(path: str, hf_model, layers: list[int]) -> None:
+    """Zero every attention output and feed-forward projection, and make MTP layers ``layers``
+    (0-based) pass their normalised embedding half through (see :func:`agreeing`)."""
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    hidden = hf_model.config.hidden_size
+    for key in list(tensors):
+        if key.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[key] = torch.zeros_like(tensors[key])
+    for k in layers:
+        first = hf_model.config.num_hidden_layers + k
+        tensors[f"model.layers.{first}.eh_proj.weight"] = torch.cat(
+            [torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1
+        ).contiguous()
+        tensors[f"model.layers.{first}.enorm.weight"] = torch.ones(hidden)
+        tensors[f"model.layers.{first}.shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +78,7 @@ def agreeing(tmp_path_factory):
     norm, so its output for the token at ``p + 1`` is the target's hidden state at ``p + 1``.
     (Had the layer read ``[hidden, embedding]`` or the token at ``p``, it would guess wrong.)"""
     path, hf_model, _ = _save_with_mtp(tmp_path_factory, NAME, "agreeing")
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    hidden = hf_model.config.hidden_size
-    first = hf_model.config.num_hidden_layers
-    for key in list(tensors):
-        if key.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[key] = torch.zeros_like(tensors[key])
-    tensors[f"model.layers.{first}.eh_proj.weight"] = torch.cat(
-        [torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1
-    ).contiguous()
-    tensors[f"model.layers.{first}.enorm.weight"] = torch.ones(hidden)
-    tensors[f"model.layers.{first}.shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
-    save_file(tensors, file, metadata={"format": "pt"})
+    _make_agreeing(path, hf_model, [0])
     return path
 
 
@@ -283,3 +290,48 @@ def test_matching_num_model_steps_is_accepted(with_mtp):
     core = _core(with_mtp[0], {**MTP, "num_model_steps": 3})
     assert core.config_info()["speculative_config"]["num_model_steps"] == 3
     assert _run(core, _batch()[:2]) == _run(_core(with_mtp[0], None), _batch()[:2])
+
+
+# ---- several MTP layers ----------------------------------------------------------------------
+# DeepSeek-V3's MTP modules are sequential: module k reads module k - 1's output at a position and
+# the token k + 1 after it. With D layers the proposer guesses the tokens at L .. L + D - 1 from
+# row L - 2 (layer j from layer j - 1's output and the j-th guess), then chains the last layer.
+MTP3 = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory):
+    return _save_with_mtp(tmp_path_factory, NAME, "two_random", count=2)[0]
+
+
+@pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 5}], ids=["plain", "chunked"])
+def test_two_mtp_layers_keep_the_tokens(two_layers, settings):
+    off = _run(_core(two_layers, None, **settings), _batch())
+    core = _core(two_layers, MTP3, **settings)
+    assert _run(core, _batch()) == off
+    assert core.proposer.describe()["mtp"] == {"num_mtp_layers": 2, "layers_used": 2}
+    assert core.get_stats()["spec_decode_num_draft_tokens_total"] > 0
+    assert core.runner.mtp_layout.num_layers == 2
+
+
+@pytest.mark.parametrize(
+    "agreeing_layers, all_accepted", [([0, 1], True), ([0], False)], ids=["both_agree", "second_random"]
+)
+def test_the_second_layer_guesses_the_second_token(tmp_path_factory, agreeing_layers, all_accepted):
+    """Both layers built to agree with the target: every draft is accepted, so the second layer
+    read the first guess and the first layer's output (had it read the known token or the
+    target's hidden state, its guesses would repeat the first). With the second layer random,
+    drafts are rejected: the second guess really comes from the second layer."""
+    path, hf_model, _ = _save_with_mtp(tmp_path_factory, NAME, "two_" + "_".join(map(str, agreeing_layers)), count=2)
+    _make_agreeing(path, hf_model, agreeing_layers)
+    off = _run(_core(path, None), _batch())
+    core = _core(path, MTP3)
+    assert _run(core, _batch()) == off
+    stats = core.get_stats()
+    proposed, accepted = stats["spec_decode_num_draft_tokens_total"], stats["spec_decode_num_accepted_tokens_total"]
+    assert proposed > 0
+    if all_accepted:
+        assert accepted == proposed, stats
+        assert stats["spec_decode_mean_accepted_length"] > 2.5
+    else:
+        assert accepted < 0.8 * proposed, stats

@@ -170,6 +170,7 @@ def test_kv_cache_holds_one_latent_row_per_token(case):
         "kind": "latent",
         "token_shapes": [[1, latent]],
         "bytes_per_token_per_layer": 4 * latent,
+        "mtp_layers": 0,
         "dtype": "float32",
     }
     per_head_kv = 2 * cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) * 4
@@ -247,44 +248,47 @@ def test_inconsistent_mla_dimensions_are_load_errors(tmp_path_factory):
         _load(path, v_head_dim=8)
 
 
-def add_mtp_layer(path: str, hf_model):
-    """Save one random transformers ``MtpLayer`` into the checkpoint at ``path`` (of ``hf_model``)
-    as ``model.layers.{N}`` in DeepSeek's names, and set ``num_nextn_predict_layers``: (the
-    tensors added, the HF MTP layer holding the same values)."""
+def add_mtp_layer(path: str, hf_model, count: int = 1):
+    """Save ``count`` random transformers ``MtpLayer`` s into the checkpoint at ``path`` (of
+    ``hf_model``) as ``model.layers.{N + k}`` in DeepSeek's names, and set
+    ``num_nextn_predict_layers``: (the tensors added, the first HF MTP layer holding the same values)."""
     from transformers.modeling_layers import MtpLayer
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
-    torch.manual_seed(99)
-    mtp = MtpLayer(hf_model.config.get_mtp_config(), DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0).eval()
-    with torch.no_grad():  # every tensor, the fused experts' too (MtpLayer leaves those uninitialised)
-        for value in mtp.state_dict().values():
-            if value.is_floating_point():
-                value.copy_(torch.randn_like(value) * 0.2)
-    first = hf_model.config.num_hidden_layers
     tensors = {}
-    for key, value in mtp.state_dict().items():
-        key = key.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
-        prefix = f"model.layers.{first}.{key.rsplit('.', 1)[0]}"
-        if key.endswith("experts.gate_up_proj"):  # transformers' in-memory layout -> DeepSeek's per-expert names
-            for e, gate_up in enumerate(value):
-                gate, up = gate_up.chunk(2, dim=0)
-                tensors[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
-                tensors[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
-        elif key.endswith("experts.down_proj"):
-            for e, down in enumerate(value):
-                tensors[f"{prefix}.{e}.down_proj.weight"] = down.contiguous()
-        else:
-            tensors[f"model.layers.{first}.{key}"] = value.detach().clone().contiguous()
-    tensors[f"model.layers.{first}.embed_tokens.weight"] = hf_model.model.embed_tokens.weight.detach().clone()
-    tensors[f"model.layers.{first}.shared_head.head.weight"] = hf_model.lm_head.weight.detach().clone()
+    layers = []
+    for k in range(count):
+        torch.manual_seed(99 + k)
+        mtp = MtpLayer(hf_model.config.get_mtp_config(), DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0).eval()
+        with torch.no_grad():  # every tensor, the fused experts' too (MtpLayer leaves those uninitialised)
+            for value in mtp.state_dict().values():
+                if value.is_floating_point():
+                    value.copy_(torch.randn_like(value) * 0.2)
+        layers.append(mtp)
+        first = hf_model.config.num_hidden_layers + k
+        for key, value in mtp.state_dict().items():
+            key = key.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+            prefix = f"model.layers.{first}.{key.rsplit('.', 1)[0]}"
+            if key.endswith("experts.gate_up_proj"):  # transformers' in-memory layout -> DeepSeek's per-expert names
+                for e, gate_up in enumerate(value):
+                    gate, up = gate_up.chunk(2, dim=0)
+                    tensors[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                    tensors[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+            elif key.endswith("experts.down_proj"):
+                for e, down in enumerate(value):
+                    tensors[f"{prefix}.{e}.down_proj.weight"] = down.contiguous()
+            else:
+                tensors[f"model.layers.{first}.{key}"] = value.detach().clone().contiguous()
+        tensors[f"model.layers.{first}.embed_tokens.weight"] = hf_model.model.embed_tokens.weight.detach().clone()
+        tensors[f"model.layers.{first}.shared_head.head.weight"] = hf_model.lm_head.weight.detach().clone()
     file = os.path.join(path, "model.safetensors")
     save_file({**load_file(file), **tensors}, file, metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    cfg["num_nextn_predict_layers"] = 1
+    cfg["num_nextn_predict_layers"] = count
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
-    return tensors, mtp
+    return tensors, layers[0]
 
 
 def _mtp_checkpoint(tmp_path_factory, name: str) -> tuple[str, dict]:
