@@ -66,7 +66,7 @@ class FusedOps(ReferenceOps):
 
     def _use(self, op: str, kernel: str, fn, tensor: paddle.Tensor) -> bool:
         if kernel in AVX512_ONLY_CPU_KERNELS and not paddle_cpu_kernel_safe(tensor):
-            self.kernel_choices[op] = f"reference (Paddle's CPU {kernel} kernel needs AVX-512, this CPU has none)"
+            self.kernel_choices[op] = f"reference (no {kernel} kernel for {_where(tensor)} without AVX-512: Paddle's needs it)"
             return False
         if fn is not None and has_kernel(kernel, tensor):
             self.kernel_choices[op] = f"fused {kernel}"

@@ -19,6 +19,7 @@ import pytest
 from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.engine.engine_core import MIX_PREFILL_DECODE_ENV, PROMPT_STEP_TARGET_ENV, EngineCore
 from fastdeploy_core.engine.outputs import EngineCoreRequest
+from fastdeploy_core.testing.engine_run import run_to_end
 from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.errors import (
     ContextLengthExceededError,
@@ -119,18 +120,7 @@ def greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
 
 def run(core: EngineCore, requests: list[tuple[str, list[int], SamplingParams]]) -> dict:
     """Submit everything, step to the end; {(request id, index): EngineCoreOutput list}."""
-    for rid, prompt, params in requests:
-        core.add_request(EngineCoreRequest(rid, prompt, params))
-    outs: dict = {}
-    steps = 0
-    while core.has_unfinished_requests():
-        steps += 1
-        assert steps < 10_000
-        for out in core.step():
-            outs.setdefault((out.request_id, out.index), []).append(out)
-    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks, "KV blocks leaked"
-    core.block_manager.check_invariants([])
-    return outs
+    return run_to_end(core, requests, key=lambda out: (out.request_id, out.index), outputs=True)
 
 
 def tokens(outs: dict, rid: str, index: int = 0) -> list[int]:

@@ -8,9 +8,9 @@ import pytest
 
 from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.engine.engine_core import EngineCore
-from fastdeploy_core.engine.outputs import EngineCoreRequest
 from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.spec_decode.draft_model import DraftModelProposer
+from fastdeploy_core.testing.engine_run import run_to_end
 
 PROMPTS = [
     [5, 9, 17, 33, 2, 7, 100, 64, 3, 5, 9, 17, 33, 2],
@@ -52,17 +52,7 @@ def assert_draft_cache_empty(core: EngineCore) -> None:
 
 def run(core: EngineCore, requests) -> dict:
     """Submit ``(request id, prompt, params)`` and step to the end: {(id, index): token ids}."""
-    for rid, prompt, params in requests:
-        core.add_request(EngineCoreRequest(rid, prompt, params))
-    outs: dict = {}
-    steps = 0
-    while core.has_unfinished_requests():
-        steps += 1
-        assert steps < 10_000
-        for out in core.step():
-            outs.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
-    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks, "KV blocks leaked"
-    core.block_manager.check_invariants([])
+    outs = run_to_end(core, requests, key=lambda out: (out.request_id, out.index))
     assert_draft_cache_empty(core)
     return outs
 

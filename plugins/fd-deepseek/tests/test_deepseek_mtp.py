@@ -11,8 +11,6 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import numpy as np
-import paddle
 import pytest
 import torch
 from fd_deepseek.deepseek import DeepseekV3ForCausalLM
@@ -23,10 +21,10 @@ from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.engine.engine_core import EngineCore
-from fastdeploy_core.engine.outputs import EngineCoreRequest
 from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.errors import ConfigError
-from fastdeploy_core.executor.forward_meta import ForwardMeta
+from fastdeploy_core.testing.engine_run import run_to_end
+from fastdeploy_core.testing.mtp import check_forward_mtp, zero_block_outputs
 
 pytestmark = pytest.mark.usefixtures("restore_ops")
 
@@ -56,9 +54,7 @@ def _make_agreeing(path: str, hf_model, layers: list[int]) -> None:
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
     hidden = hf_model.config.hidden_size
-    for key in list(tensors):
-        if key.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[key] = torch.zeros_like(tensors[key])
+    zero_block_outputs(tensors)
     for k in layers:
         first = hf_model.config.num_hidden_layers + k
         tensors[f"model.layers.{first}.eh_proj.weight"] = torch.cat(
@@ -90,40 +86,7 @@ def test_forward_mtp_matches_transformers_mtp_layer(with_mtp):
     set_current_ops(ReferenceOps())
     model = _load(path)
     assert isinstance(model, DeepseekV3ForCausalLM) and model.num_mtp_layers == 1
-    rng = np.random.default_rng(0)
-    n, hidden = 8, hf_model.config.hidden_size
-    tokens = rng.integers(3, hf_model.config.vocab_size, n)
-    previous = rng.standard_normal((n, hidden)).astype(np.float32)
-
-    with torch.no_grad():
-        embeds = hf_model.model.embed_tokens(torch.tensor(tokens)[None])
-        position_ids = torch.arange(1, n + 1)[None]
-        rope = hf_model.model.rotary_emb(embeds, position_ids=position_ids)
-        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        out = hf_mtp(embeds, torch.tensor(previous)[None], rope, mask, position_ids, None)
-        expected = hf_model.lm_head(out)[0].numpy()
-
-    block_size, table = 4, [3, 1]
-    caches = model.mtp_kv_cache_layout().allocate(6, block_size, lambda shape, dtype: paddle.zeros(shape, dtype))
-    got = []
-    for start, count in [(0, 5), (5, 1), (6, 1), (7, 1)]:
-        rows = np.arange(start, start + count)
-        slots = np.array([table[r // block_size] * block_size + r % block_size for r in rows])
-        meta = ForwardMeta(
-            input_ids=paddle.to_tensor(tokens[rows].astype(np.int64)),
-            positions=paddle.to_tensor(rows + 1),
-            slot_mapping=paddle.to_tensor(slots.astype(np.int64)),
-            query_start_loc=np.array([0, count], dtype=np.int64),
-            seq_lens=np.array([start + count], dtype=np.int64),
-            block_tables=np.array([table], dtype=np.int64),
-            block_size=block_size,
-            logits_indices=paddle.to_tensor(np.array([count - 1], dtype=np.int64)),
-        )
-        with paddle.no_grad():
-            out = model.forward_mtp(meta, paddle.to_tensor(previous[rows]), caches, 0)
-            got.append(model.compute_logits(out).numpy())
-    assert np.isfinite(expected).all() and np.abs(expected).max() > 0.1
-    np.testing.assert_allclose(np.concatenate(got), expected, atol=1e-4, rtol=1e-4, equal_nan=False)
+    check_forward_mtp(model, hf_model, hf_mtp)
 
 
 # ---- through the engine ----------------------------------------------------------------------
@@ -135,26 +98,7 @@ def _core(path: str, spec: dict | None, **kw) -> EngineCore:
 
 
 def _run(core: EngineCore, requests, abort_after: dict | None = None) -> dict:
-    """Submit ``(id, prompt, params)``, step to the end (aborting ``abort_after[id]`` after that
-    many steps); {id: tokens}. Every KV block comes back and the proposer keeps no state."""
-    for rid, prompt, params in requests:
-        core.add_request(EngineCoreRequest(rid, prompt, params))
-    outs: dict = {}
-    steps = 0
-    while core.has_unfinished_requests():
-        steps += 1
-        assert steps < 2000
-        for out in core.step():
-            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        for rid, when in (abort_after or {}).items():
-            if steps == when:
-                core.abort_requests([rid])
-    bm = core.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
-    bm.check_invariants([])
-    if core.proposer is not None:
-        assert not core.proposer._states, "the MTP proposer kept a finished request's state"
-    return outs
+    return run_to_end(core, requests, abort_after)
 
 
 def _greedy(max_tokens: int = 24) -> SamplingParams:

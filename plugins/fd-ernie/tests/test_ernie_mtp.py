@@ -18,7 +18,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import numpy as np
-import paddle
 import pytest
 import torch
 import transformers
@@ -30,10 +29,10 @@ from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.engine.engine_core import EngineCore
-from fastdeploy_core.engine.outputs import EngineCoreRequest
 from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.errors import ModelLoadError
-from fastdeploy_core.executor.forward_meta import ForwardMeta
+from fastdeploy_core.testing.engine_run import run_to_end
+from fastdeploy_core.testing.mtp import check_forward_mtp, zero_block_outputs
 from fastdeploy_core.loader import resolve_model_source
 
 pytestmark = pytest.mark.usefixtures("restore_ops")
@@ -106,28 +105,6 @@ def _our_class(path: str):
         return Ernie4_5_MoeForCausalLM if "moe_num_experts" in json.load(f) else Ernie4_5ForCausalLM
 
 
-def _mtp_logits(model, tokens, previous, chunks, block_size=4, table=(3, 1)):
-    caches = model.mtp_kv_cache_layout().allocate(6, block_size, lambda shape, dtype: paddle.zeros(shape, dtype))
-    got = []
-    for start, count in chunks:
-        rows = np.arange(start, start + count)
-        slots = np.array([table[r // block_size] * block_size + r % block_size for r in rows])
-        meta = ForwardMeta(
-            input_ids=paddle.to_tensor(tokens[rows].astype(np.int64)),
-            positions=paddle.to_tensor(rows + 1),
-            slot_mapping=paddle.to_tensor(slots.astype(np.int64)),
-            query_start_loc=np.array([0, count], dtype=np.int64),
-            seq_lens=np.array([start + count], dtype=np.int64),
-            block_tables=np.array([list(table)], dtype=np.int64),
-            block_size=block_size,
-            logits_indices=paddle.to_tensor(np.array([count - 1], dtype=np.int64)),
-        )
-        with paddle.no_grad():
-            out = model.forward_mtp(meta, paddle.to_tensor(previous[rows]), caches, 0)
-            got.append(model.compute_logits(out).numpy())
-    return np.concatenate(got)
-
-
 # ---- the layer itself ------------------------------------------------------------------------
 def test_forward_mtp_matches_the_reference_layer(with_mtp):
     """Rows 0-4 in one prefill chunk, then 5-7 one at a time over the paged cache (block size 4,
@@ -137,20 +114,7 @@ def test_forward_mtp_matches_the_reference_layer(with_mtp):
     set_current_ops(ReferenceOps())
     model = _load(path, _our_class(path))
     assert model.num_mtp_layers == 1 and model.mtp_layers[0].shared_head is None
-    rng = np.random.default_rng(0)
-    n, hidden = 8, hf_model.config.hidden_size
-    tokens = rng.integers(3, hf_model.config.vocab_size, n)
-    previous = rng.standard_normal((n, hidden)).astype(np.float32)
-    with torch.no_grad():
-        embeds = hf_model.model.embed_tokens(torch.tensor(tokens)[None])
-        position_ids = torch.arange(1, n + 1)[None]
-        rope = hf_model.model.rotary_emb(embeds, position_ids=position_ids)
-        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        out = hf_mtp(embeds, torch.tensor(previous)[None], rope, mask, position_ids, None)
-        expected = hf_model.lm_head(out)[0].numpy()
-    got = _mtp_logits(model, tokens, previous, [(0, 5), (5, 1), (6, 1), (7, 1)])
-    assert np.isfinite(expected).all() and np.abs(expected).max() > 0.1
-    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+    check_forward_mtp(model, hf_model, hf_mtp)
 
 
 def test_paddle_layout_loads_the_same_mtp_parameters(with_mtp, tmp_path_factory):
@@ -189,20 +153,7 @@ def _core(path: str, spec: dict | None, **kw) -> EngineCore:
 
 
 def _run(core: EngineCore, requests) -> dict:
-    for rid, prompt, params in requests:
-        core.add_request(EngineCoreRequest(rid, prompt, params))
-    outs: dict = {}
-    steps = 0
-    while core.has_unfinished_requests():
-        steps += 1
-        assert steps < 2000
-        for out in core.step():
-            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
-    bm = core.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
-    if core.proposer is not None:
-        assert not core.proposer._states, "the MTP proposer kept a finished request's state"
-    return outs
+    return run_to_end(core, requests)
 
 
 def _batch(max_tokens: int = 20) -> list:
@@ -233,9 +184,7 @@ def agreeing(tmp_path_factory):
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
     hidden = hf_model.config.hidden_size
-    for key in list(tensors):
-        if key.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[key] = torch.zeros_like(tensors[key])
+    zero_block_outputs(tensors)
     tensors["model.mtp_linear_proj.0.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
     tensors["model.mtp_emb_norm.0.weight"] = torch.ones(hidden)
     save_file(tensors, file, metadata={"format": "pt"})

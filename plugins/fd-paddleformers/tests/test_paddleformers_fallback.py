@@ -34,7 +34,7 @@ from importlib import metadata
 
 from fastdeploy_core.config import EngineArgs
 from fastdeploy_core.engine.engine_core import EngineCore
-from fastdeploy_core.engine.outputs import EngineCoreRequest
+from fastdeploy_core.testing.engine_run import run_to_end
 from fastdeploy_core.engine.sampling_params import SamplingParams
 from fastdeploy_core.errors import UnsupportedArchitectureError
 from fastdeploy_core.plugins import load_plugins
@@ -97,17 +97,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def run(core: EngineCore, requests: list[tuple[str, list[int]]], max_tokens: int) -> dict:
     """Submit all, step to the end; {request id: [EngineCoreOutput, ...]}; checks no block leaks."""
-    for rid, prompt in requests:
-        core.add_request(EngineCoreRequest(rid, prompt, greedy(max_tokens)))
-    outs: dict = {}
-    steps = 0
-    while core.has_unfinished_requests():
-        steps += 1
-        assert steps < 10_000
-        for out in core.step():
-            outs.setdefault(out.request_id, []).append(out)
-    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks, "KV blocks leaked"
-    return outs
+    return run_to_end(core, [(rid, prompt, greedy(max_tokens)) for rid, prompt in requests], outputs=True)
 
 
 def tokens(outs: dict, rid: str) -> list[int]:
