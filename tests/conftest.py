@@ -6,9 +6,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The cpu kernels are tested on every CPU, also one without AVX-512, where the engine would not
-# choose them by itself (fastdeploy_core/builtin/cpu/kernels.py says why).
-os.environ.setdefault("FD_CPU_KERNELS", "1")
 
 # ``restore_ops`` (put the process-wide ops table back) comes from the pytest plugin the core
 # installs (fastdeploy_core/testing/pytest_plugin.py), so plugins' own tests have it too.

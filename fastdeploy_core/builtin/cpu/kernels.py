@@ -146,7 +146,7 @@ def load_kernels():
         try:
             if kernels_disabled():
                 raise RuntimeError(f"{KERNELS_ENV}=0 is set")
-            if not has_avx512f() and not kernels_forced():
+            if not has_avx512f() and not (kernels_forced() or _chosen_on_any_cpu):
                 raise RuntimeError(
                     "this CPU has no AVX-512: the kernels' 16-float vectors would live in memory, which measured "
                     "4-19x slower than Paddle's own ops on an AVX2 CPU, so Paddle's are used "
@@ -174,6 +174,18 @@ def load_kernels():
             )
         _tried = True
         return _module
+
+
+#: Set by :func:`choose_kernels_on_any_cpu`: this process uses the kernels even without AVX-512.
+_chosen_on_any_cpu = False
+
+
+def choose_kernels_on_any_cpu() -> None:
+    """Use the kernels in this process whatever the CPU (as ``FD_CPU_KERNELS=1`` does, but not
+    inherited by child processes): the test suite checks the kernels' results on every CPU while
+    the servers its tests start choose as a user's would."""
+    global _chosen_on_any_cpu
+    _chosen_on_any_cpu = True
 
 
 def has_avx512_vnni() -> bool:

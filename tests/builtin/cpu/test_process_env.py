@@ -60,7 +60,7 @@ def test_kernels_disabled(env, disabled):
 
 
 def _python(code: str, threads: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS=threads)
+    env = dict(os.environ, OMP_NUM_THREADS=threads, FD_CPU_KERNELS="1")  # the kernels on any CPU
     cmd = [sys.executable, "-c", code]
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
 
