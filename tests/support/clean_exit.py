@@ -31,13 +31,14 @@ def subprocess_env() -> dict[str, str]:
 
 
 def run_script(source: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``source`` as ``python -c`` in a fresh interpreter."""
+    """Run ``source`` as ``python -c`` in a fresh interpreter, with the cpu kernels on any CPU
+    (as in the test process: the scripts check captured steps, which need them)."""
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(source)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=subprocess_env(),
+        env={**subprocess_env(), "FD_CPU_KERNELS": os.environ.get("FD_CPU_KERNELS", "1")},
         check=False,
     )
 
