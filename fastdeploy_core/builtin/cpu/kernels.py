@@ -21,9 +21,10 @@ The kernels are written on 16-float vectors (GCC vector extensions): one AVX-512
 On a CPU without AVX-512 GCC has no register for such a vector and keeps every one in memory
 (broadcasts built by 16 scalar stores, accumulators loaded and stored around each multiply-add):
 on an AVX2-only AMD EPYC 7002 (Zen 2) the float32 linear kernel ran at ~2 GFLOP/s per thread,
-and the engine was 4x (decode, 16 requests) to 19x (a 512-token prefill) slower with the
+and the engine was 7x (decode, 16 requests) to 24x (a 512-token prefill) slower with the
 kernels than with Paddle's own ops. So without AVX-512 the kernels are not loaded unless
-``FD_CPU_KERNELS=1`` asks for them (the test suite does, to check their results on every CPU).
+``FD_CPU_KERNELS=1`` (or ``choose_kernels_on_any_cpu()``, which the test process calls, to
+check their results on every CPU) asks for them.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def load_kernels():
             if not has_avx512f() and not (kernels_forced() or _chosen_on_any_cpu):
                 raise RuntimeError(
                     "this CPU has no AVX-512: the kernels' 16-float vectors would live in memory, which measured "
-                    "4-19x slower than Paddle's own ops on an AVX2 CPU, so Paddle's are used "
+                    "7-24x slower than Paddle's own ops on an AVX2 CPU, so Paddle's are used "
                     f"({KERNELS_ENV}=1 uses the kernels anyway)"
                 )
             name = library_name()
