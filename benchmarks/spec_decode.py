@@ -108,7 +108,7 @@ def main() -> None:
         "off": None,
         f"ngram k={args.ngram_k}": {"method": "ngram", "num_speculative_tokens": args.ngram_k},
     }
-    for k in (int(k) for k in args.draft_k.split(",")):
+    for k in (int(k) for k in args.draft_k.split(",") if k.strip()):  # "" : no self-draft
         specs[f"self-draft wint4 k={k}"] = {
             "method": "draft_model", "quantization": "wint4", "num_speculative_tokens": k,
         }
