@@ -126,7 +126,7 @@ class _Row:
     hidden: Any = None  # the last layer run's output at the last row computed, [1, H]
     #: layers 1..: their states (the catch-up outputs of the layer before, not yet fed)
     deeper: list[_MtpState] = field(default_factory=list)
-    #: the last layer run's outputs at its guessed rows L - j .. L - 2 ([j - 1, H]; None: none)
+    #: the last deeper layer j's outputs at its rows read from guesses, L - 1 - j .. L - 2 ([j, H])
     guessed_out: Any = None
 
     @property
@@ -269,13 +269,15 @@ class MtpProposer(Proposer):
 
     def _catch_up(self, rows: list[_Row], layer: int, first, last, caches) -> None:
         """Layer ``layer`` over rows ``first(row) .. last(row)`` of each row, in steps of the token
-        budget, reading the held hidden states of its state; the last row's output gives a guess
-        (its hidden state kept in ``row.hidden``). The outputs go to the next layer's state."""
+        budget, reading the held hidden states of its state; for layer 0 the last row's output
+        gives a guess (its hidden state kept in ``row.hidden``). The outputs go to the next
+        layer's state."""
         pending = [row for row in rows if first(row) <= last(row)]
         cursor = {id(row): first(row) for row in pending}
+        state_of = (lambda row: row.state) if layer == 0 else (lambda row: row.deeper[layer - 1])
+        feeds_next = layer + 1 < self.num_layers
         while pending:
             step = pack_chunks(pending, self.max_num_batched_tokens, lambda row: last(row) + 1 - cursor[id(row)])
-            state_of = (lambda row: row.state) if layer == 0 else (lambda row: row.deeper[layer - 1])
             previous = paddle.concat([state_of(row).rows(cursor[id(row)], n) for row, n in step], axis=0)
             tokens = [
                 row.request.token_ids[cursor[id(row)] + layer + 1 : cursor[id(row)] + layer + 1 + n] for row, n in step
@@ -285,14 +287,13 @@ class MtpProposer(Proposer):
             offset = 0
             guessing = []
             for (row, n), start in zip(step, starts):
-                if layer + 1 < self.num_layers and row.deeper:
+                if feeds_next:
                     row.deeper[layer].chunks.append((start, hidden[offset : offset + n]))
                 cursor[id(row)] += n
-                if cursor[id(row)] > last(row):
+                if layer == 0 and cursor[id(row)] > last(row):  # layer 0's last row guesses
                     row.hidden = hidden[offset + n - 1 : offset + n]
-                    if layer == 0:
-                        row.next = cursor[id(row)]
-                        guessing.append(row)
+                    row.next = cursor[id(row)]
+                    guessing.append(row)
                 offset += n
             if guessing:
                 for row, token in zip(guessing, self._greedy(paddle.concat([row.hidden for row in guessing], axis=0))):
@@ -336,7 +337,6 @@ class MtpProposer(Proposer):
         for i, row in enumerate(usable):
             row.guessed_out = hidden[ends[i] + 1 - j : ends[i] + 1]
             row.hidden = hidden[ends[i] : ends[i] + 1]
-            row.next = row.last + 1
         for row, token in zip(usable, self._greedy(paddle.concat([row.hidden for row in usable], axis=0))):
             row.drafts.append(token)
 
