@@ -20,7 +20,6 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from fastdeploy_core.devices.host_cpu import paddle_cpu_kernel_safe
 from fastdeploy_core.devices.kernels import dtype_name, has_kernel, place_backends
 from fastdeploy_core.devices.padded_batch import PaddedBatch
 from fastdeploy_core.devices.reference_ops import ReferenceOps
@@ -38,8 +37,6 @@ _swiglu = getattr(F, "swiglu", None) or _incubate_swiglu
 RMS_NORM_KERNEL = "fused_rms_norm_quant"
 ROPE_KERNEL = "fused_rotary_position_embedding"
 SWIGLU_KERNEL = "swiglu"
-#: Paddle's CPU kernels built for AVX-512 only (SIGILL on an AVX2 CPU; see ``host_cpu``).
-AVX512_ONLY_CPU_KERNELS = frozenset({RMS_NORM_KERNEL})
 
 
 def _where(tensor: paddle.Tensor) -> str:
@@ -65,9 +62,6 @@ class FusedOps(ReferenceOps):
         self._cast_caches: dict[tuple, tuple] = {}
 
     def _use(self, op: str, kernel: str, fn, tensor: paddle.Tensor) -> bool:
-        if kernel in AVX512_ONLY_CPU_KERNELS and not paddle_cpu_kernel_safe(tensor):
-            self.kernel_choices[op] = f"reference (no {kernel} kernel for {_where(tensor)} without AVX-512: Paddle's needs it)"
-            return False
         if fn is not None and has_kernel(kernel, tensor):
             self.kernel_choices[op] = f"fused {kernel}"
             return True

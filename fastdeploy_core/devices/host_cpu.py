@@ -30,6 +30,10 @@ def has_avx512f() -> bool:
     return "avx512f" in cpu_flags()
 
 
+#: Paddle's CPU kernels built for AVX-512 only (by the name its kernel registry knows them).
+PADDLE_AVX512_ONLY_CPU_KERNELS = frozenset({"fused_rms_norm_quant"})
+
+
 def paddle_cpu_kernel_safe(tensor) -> bool:
     """Whether Paddle's AVX-512-only CPU kernels may run for ``tensor``: it is not on the CPU, or
     the CPU has AVX-512."""

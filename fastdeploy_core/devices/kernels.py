@@ -18,6 +18,8 @@ from functools import lru_cache
 
 import paddle
 
+from fastdeploy_core.devices.host_cpu import PADDLE_AVX512_ONLY_CPU_KERNELS, paddle_cpu_kernel_safe
+
 _KEY = re.compile(r"^\(\s*([^,]+?)\s*,\s*[^,]+?\s*,\s*([a-z0-9_]+)\s*\)$")
 
 #: Registry backends that serve a place, in the order kernels are looked up.
@@ -59,7 +61,10 @@ def dtype_name(dtype) -> str:
 
 
 def has_kernel(kernel: str, tensor: paddle.Tensor) -> bool:
-    """Whether Paddle registers ``kernel`` for ``tensor``'s place and dtype."""
+    """Whether Paddle registers ``kernel`` for ``tensor``'s place and dtype, and it can run there
+    (a CPU kernel Paddle built for AVX-512 only does not on a CPU without it: ``host_cpu``)."""
+    if kernel in PADDLE_AVX512_ONLY_CPU_KERNELS and not paddle_cpu_kernel_safe(tensor):
+        return False
     return _has_kernel(kernel, place_backends(tensor.place), dtype_name(tensor.dtype))
 
 

@@ -185,14 +185,14 @@ def test_what_each_chip_declares_is_what_its_ops_and_the_registry_offer(manager,
         checks.check_expected_kernels(target)
     asked = _kernels_asked(device)
     assert set(expected) <= set(asked), f"{name} expects {sorted(set(expected) - set(asked))}, which no op asks for"
-    from fastdeploy_core.devices.fused_ops import AVX512_ONLY_CPU_KERNELS
-    from fastdeploy_core.devices.host_cpu import has_avx512f
+    from fastdeploy_core.devices.host_cpu import PADDLE_AVX512_ONLY_CPU_KERNELS, has_avx512f
 
     # Registered for the CPU, and runnable here (Paddle's CPU fused_rms_norm needs AVX-512).
     on_cpu = {
         k
         for k in expected
-        if ("cpu", "float32") in registered_kernels().get(k, ()) and (has_avx512f() or k not in AVX512_ONLY_CPU_KERNELS)
+        if ("cpu", "float32") in registered_kernels().get(k, ())
+        and (has_avx512f() or k not in PADDLE_AVX512_ONLY_CPU_KERNELS)
     }
     for kernel in expected:
         assert asked[kernel] == ({"fused"} if kernel in on_cpu else {"reference"}), (kernel, asked[kernel])
