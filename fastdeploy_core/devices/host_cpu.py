@@ -2,8 +2,8 @@
 
 Paddle's CPU build carries kernels compiled for AVX-512 that it runs without asking the CPU:
 ``fused_rms_norm`` (its ``RmsNormAvxKernel`` stores ``zmm`` registers) dies with SIGILL on an
-AVX2-only CPU such as an AMD EPYC 7002 (Zen 2). Code choosing such a kernel for a CPU tensor
-asks :func:`has_avx512f` first.
+AVX2-only CPU such as an AMD EPYC 7002 (Zen 2). ``devices.kernels.has_kernel`` (what the fused
+ops ask) and the reference ops ask :func:`paddle_cpu_kernel_safe` before running such a kernel.
 """
 
 from __future__ import annotations
