@@ -34,11 +34,12 @@
 #include <cstring>
 
 #include "cpu_features.h"
+#include "vector_math.h"
 
 namespace fd_bf16_attention {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+using fd_kernels::f32x16;
+using fd_kernels::u32x16;
 
 inline bool cpu_has_dot() { return fd_kernels::cpu_has_bf16_dot(); }
 
@@ -68,8 +69,7 @@ inline float round_float(float x) {
 
 // 16 weights (finite, >= 0: exp of a difference) rounded the same way.
 inline u32x16 round_bits16(const float* p) {
-  u32x16 u;
-  std::memcpy(&u, p, sizeof(u));
+  const u32x16 u = fd_kernels::load<u32x16>(reinterpret_cast<const uint32_t*>(p));
   return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
 }
 
@@ -77,7 +77,7 @@ inline u32x16 round_bits16(const float* p) {
 inline void round_weights(float* st, int64_t nk, int64_t mp) {
   for (int64_t i = 0; i < nk * mp; i += 16) {
     const u32x16 r = round_bits16(st + i);
-    std::memcpy(st + i, &r, sizeof(r));
+    fd_kernels::store(reinterpret_cast<uint32_t*>(st + i), r);
   }
 }
 
@@ -89,7 +89,7 @@ inline void pack_weight_pairs(const float* st, int64_t nk, int64_t mp, uint32_t*
       const u32x16 lo = round_bits16(st + 2 * jp * mp + rv) >> 16;
       const u32x16 hi = 2 * jp + 1 < nk ? round_bits16(st + (2 * jp + 1) * mp + rv) : u32x16{};
       const u32x16 pair = lo | hi;
-      std::memcpy(pp + jp * mp + rv, &pair, sizeof(pair));
+      fd_kernels::store(pp + jp * mp + rv, pair);
     }
   }
 }

@@ -144,8 +144,8 @@ void swiglu_chunk(void* ctx, int64_t r) {
   int64_t i = 0;
   for (; i + 16 <= I; i += 16) {
     const fd_kernels::f32x16 g = fd_kernels::load16(gate + i);
-    const fd_kernels::f32x16 e = fd_kernels::exp16(g < 0 ? g : -g);
-    const fd_kernels::f32x16 sig = (g < 0 ? e : fd_kernels::f32x16{} + 1.f) / (e + 1.f);
+    const fd_kernels::f32x16 e = fd_kernels::exp16(fd_kernels::select(g < 0.f, g, -g));
+    const fd_kernels::f32x16 sig = fd_kernels::select(g < 0.f, e, fd_kernels::f32x16{} + 1.f) / (e + 1.f);
     fd_kernels::store16(o + i, g * sig * fd_kernels::load16(up + i));
   }
   for (; i < I; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];

@@ -51,6 +51,8 @@ using fd_kernels::f32x16;
 using fd_kernels::hsum;
 using fd_kernels::i32x16;
 using fd_kernels::load16;
+using fd_kernels::select;
+using fd_kernels::splat;
 using fd_kernels::store16;
 
 // float32 -> bfloat16, round to nearest, ties to even; a NaN becomes 0x7fff (as Paddle's cast).
@@ -230,15 +232,6 @@ inline f32x16 sum16(const f32x16* v) {
 #endif
 }
 
-// x in every lane. (f32x16{} + x would cost an add per use: x + 0 is not x for x = -0, so the
-// compiler keeps it, on the same ports as the FMAs of the loops below.)
-inline f32x16 splat(float x) {
-#if defined(__AVX512F__)
-  return (f32x16)_mm512_set1_ps(x);
-#else
-  return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
-#endif
-}
 
 // Keys per tile.
 constexpr int64_t kKeyTile = 64;
@@ -514,13 +507,13 @@ void attend_item(void* ctx, int64_t index) {
     if (!whole) {
       for (int64_t rv = 0; rv < mp; rv += 16) {
         i32x16 pos;
-        std::memcpy(&pos, row_pos.data() + rv, sizeof(pos));
+        pos = fd_kernels::load<i32x16>(row_pos.data() + rv);
         for (int64_t jj = 0; jj < nk; ++jj) {
           const int32_t kp = static_cast<int32_t>(kb + jj);
           i32x16 hidden = kp > pos;
           if (j.window > 0) hidden |= kp <= pos - static_cast<int32_t>(j.window);
           float* s = st.data() + jj * mp + rv;
-          store16(s, hidden ? neg_inf : load16(s));
+          store16(s, select(hidden, neg_inf, load16(s)));
         }
       }
     }
@@ -529,16 +522,16 @@ void attend_item(void* ctx, int64_t index) {
       f32x16 mx = neg_inf;
       for (int64_t jj = 0; jj < nk; ++jj) {
         const f32x16 s = load16(st.data() + jj * mp + rv);
-        mx = s > mx ? s : mx;
+        mx = select(s > mx, s, mx);
       }
       const f32x16 m_old = load16(mv.data() + rv);
       // A bfloat16 cache: maxima on the lattice of multiples of ln 2 (bf16_attention.h), so a
       // weight's rounding does not depend on the tiles seen before it.
       if (bf16) mx = fd_bf16_attention::ln2_ceiling(mx);
-      const f32x16 m_new = mx > m_old ? mx : m_old;
+      const f32x16 m_new = select(mx > m_old, mx, m_old);
       // A row with no visible key yet keeps maximum -inf; subtracting 0 instead gives p = 0
       // and alpha = 0 (its sum and output are still 0) without inf - inf.
-      const f32x16 m_use = m_new == neg_inf ? f32x16{} : m_new;
+      const f32x16 m_use = select(m_new == neg_inf, f32x16{}, m_new);
       const f32x16 alpha = exp16(m_old - m_use);
       f32x16 sum{};
       for (int64_t jj = 0; jj < nk; ++jj) {

@@ -38,10 +38,10 @@ int64_t argmax_row(const float* x, int64_t n) {
     for (int l = 0; l < 16; ++l) max_i[l] = idx[l] = l;
     for (; i + 16 <= n; i += 16, idx += 16) {
       f32x16 v = load16(x + i);
-      v = v == v ? v : neg_inf;
+      v = fd_kernels::select(v == v, v, neg_inf);
       const i32x16 take = v > max_v;
-      max_v = take ? v : max_v;
-      max_i = take ? idx : max_i;
+      max_v = fd_kernels::select(take, v, max_v);
+      max_i = fd_kernels::select(take, idx, max_i);
     }
     best_v = max_v[0];
     best = max_i[0];

@@ -1,5 +1,16 @@
-// 16-float vectors (GCC vector extensions: AVX-512 registers with -march=native, pairs of AVX2
-// registers elsewhere) and the vector math the cpu kernels share.
+// 16-lane vectors and the vector math the cpu kernels share.
+//
+// With AVX-512 (the library is built with -march=native) a 16-lane vector is a GCC vector
+// extension type, one zmm register. Without it GCC gives a 64-byte vector type no machine mode:
+// such values live in memory, every broadcast is 16 scalar stores and accumulators are stored
+// around every FMA (fd_f32_linear ran at ~2 GFLOP/s per thread on an AVX2 EPYC). There a 16-lane
+// vector is Pair16, two 8-lane halves (one ymm register each) with the same operators, which GCC
+// keeps in registers like any small struct (the same loop: ~20-45 GFLOP/s).
+//
+// The kernels use only what both spellings share: arithmetic, bitwise and comparison operators
+// (with vectors or scalars), v[i], T{} for zero, and select / convert / bitcast below instead of
+// vector ?:, __builtin_convertvector and vector casts. Lanes never mix in these operators, so a
+// lane's float32 result is the same with either spelling.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -8,19 +19,136 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace fd_kernels {
 
+#if defined(__AVX512F__)
+
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
+// mask ? a : b lane by lane (mask lanes all ones or zero, as comparisons give).
+template <class V>
+inline V select(i32x16 mask, V a, V b) { return mask ? a : b; }
+
+// Lane-wise value conversion (float -> int truncates toward zero).
+template <class To, class From>
+inline To convert(From v) { return __builtin_convertvector(v, To); }
+
+// The same 64 bytes read as another lane type.
+template <class To, class From>
+inline To bitcast(From v) { return (To)v; }
+
+#else
+
+// 16 lanes of E as two 8-lane halves.
+template <class E>
+struct Pair16 {
+  typedef E Half __attribute__((vector_size(32)));
+  typedef int32_t Mask __attribute__((vector_size(32)));
+  Half lo, hi;  // lanes 0-7, 8-15 (named members: GCC keeps them in registers, an array of two it did not)
+
+  E operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+  // Lane i as an lvalue: GCC vector types alias their element type, and hi follows lo.
+  E& operator[](int i) { return reinterpret_cast<E*>(&lo)[i]; }
+
+// Friends defined in a class template are instantiated only when used: the bitwise ones only
+// ever for integer lanes.
+#define FD_PAIR_OP(op)                                                                                    \
+  friend inline Pair16 operator op(Pair16 a, Pair16 b) { return {a.lo op b.lo, a.hi op b.hi}; } \
+  friend inline Pair16 operator op(Pair16 a, E s) { return {a.lo op s, a.hi op s}; }                \
+  friend inline Pair16 operator op(E s, Pair16 b) { return {s op b.lo, s op b.hi}; }                \
+  Pair16& operator op##=(Pair16 b) { return *this = *this op b; }                                          \
+  Pair16& operator op##=(E s) { return *this = *this op s; }
+  FD_PAIR_OP(+)
+  FD_PAIR_OP(-)
+  FD_PAIR_OP(*)
+  FD_PAIR_OP(/)
+  FD_PAIR_OP(&)
+  FD_PAIR_OP(|)
+  FD_PAIR_OP(^)
+  FD_PAIR_OP(<<)
+  FD_PAIR_OP(>>)
+#undef FD_PAIR_OP
+  friend inline Pair16 operator-(Pair16 a) { return {-a.lo, -a.hi}; }
+
+  // Comparisons give an int32 mask per lane (all ones or zero), as GCC vector comparisons do.
+#define FD_PAIR_CMP(op)                                                                               \
+  friend inline Pair16<int32_t> operator op(Pair16 a, Pair16 b) {                                     \
+    return {(Mask)(a.lo op b.lo), (Mask)(a.hi op b.hi)};                                    \
+  }                                                                                                   \
+  friend inline Pair16<int32_t> operator op(Pair16 a, E s) { return {(Mask)(a.lo op s), (Mask)(a.hi op s)}; } \
+  friend inline Pair16<int32_t> operator op(E s, Pair16 b) { return {(Mask)(s op b.lo), (Mask)(s op b.hi)}; }
+  FD_PAIR_CMP(<)
+  FD_PAIR_CMP(<=)
+  FD_PAIR_CMP(>)
+  FD_PAIR_CMP(>=)
+  FD_PAIR_CMP(==)
+  FD_PAIR_CMP(!=)
+#undef FD_PAIR_CMP
+};
+
+typedef Pair16<float> f32x16;
+typedef Pair16<int32_t> i32x16;
+typedef Pair16<uint32_t> u32x16;
+
+template <class V>
+inline V select(i32x16 mask, V a, V b) {
+  return {mask.lo ? a.lo : b.lo, mask.hi ? a.hi : b.hi};
+}
+
+template <class To, class From>
+inline To convert(From v) {
+  return {__builtin_convertvector(v.lo, typename To::Half), __builtin_convertvector(v.hi, typename To::Half)};
+}
+
+template <class To, class From>
+inline To bitcast(From v) {
+  return {(typename To::Half)v.lo, (typename To::Half)v.hi};
+}
+
+#endif
+
+// x in every lane. (f32x16{} + x would cost an add per use: x + 0 is not x for x = -0, so the
+// compiler keeps it, on the same ports as the FMAs.)
+inline f32x16 splat(float x) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_set1_ps(x);
+#else
+  const f32x16::Half half = {x, x, x, x, x, x, x, x};
+  return {half, half};
+#endif
+}
+
+// Unaligned loads and stores (a pair moves half by half: one 64-byte copy of the struct went
+// through the stack).
+template <class V = f32x16, class E>
+inline V load(const E* p) {
+  V v;
+#if defined(__AVX512F__)
   std::memcpy(&v, p, sizeof(v));
+#else
+  std::memcpy(&v.lo, p, sizeof(v.lo));
+  std::memcpy(&v.hi, p + 8, sizeof(v.hi));
+#endif
   return v;
 }
 
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+template <class V, class E>
+inline void store(E* p, V v) {
+#if defined(__AVX512F__)
+  std::memcpy(p, &v, sizeof(v));
+#else
+  std::memcpy(p, &v.lo, sizeof(v.lo));
+  std::memcpy(p + 8, &v.hi, sizeof(v.hi));
+#endif
+}
+
+inline f32x16 load16(const float* p) { return load<f32x16>(p); }
+
+inline void store16(float* p, f32x16 v) { store(p, v); }
 
 // How fd_argmax orders values: NaN reads as -inf, so it never wins over a number (greedy_head.cc
 // reproduces fd_argmax's choice with the same rule).
@@ -33,8 +161,9 @@ inline float hsum(f32x16 v) {
   std::memcpy(&r, &v, sizeof(r));
   return _mm512_reduce_add_ps(r);  // a few shuffles instead of 16 dependent scalar adds
 #else
+  const f32x16::Half t = v.lo + v.hi;
   float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
+  for (int i = 0; i < 8; ++i) s += t[i];
   return s;
 #endif
 }
@@ -44,9 +173,9 @@ inline float hsum(f32x16 v) {
 // the exponent bits. Inputs below -87 give 0. The scalar std::exp per score was most of a
 // long prompt's attention time.
 inline f32x16 exp16(f32x16 x_in) {
-  const f32x16 lo = f32x16{} - 87.f;
-  const f32x16 x = x_in < lo ? lo : x_in;
-  const f32x16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), i32x16), f32x16);
+  const f32x16 lo = splat(-87.f);
+  const f32x16 x = select(x_in < lo, lo, x_in);
+  const f32x16 n = convert<f32x16>(convert<i32x16>(x * 1.44269504f + select(x < 0.f, splat(-0.5f), splat(0.5f))));
   const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
   f32x16 p = f32x16{} + 1.3888889e-3f;
   p = p * r + 8.3333333e-3f;
@@ -55,9 +184,9 @@ inline f32x16 exp16(f32x16 x_in) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  const f32x16 e = p * (f32x16)bits;
-  return x_in < lo ? f32x16{} : e;
+  const i32x16 bits = (convert<i32x16>(n) + 127) << 23;
+  const f32x16 e = p * bitcast<f32x16>(bits);
+  return select(x_in < lo, f32x16{}, e);
 }
 
 // sum of a[i] * b[i] over d floats: 16-lane partial sums, then the tail in order.

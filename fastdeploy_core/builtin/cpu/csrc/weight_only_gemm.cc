@@ -30,8 +30,7 @@
 // (|x|max / 127, round half away from zero, as paddle.round): W8A8 / W4A8. The products of
 // integer-valued floats are exact; the sums are float32.
 //
-// Vectors use GCC vector extensions (16 floats): with -march=native they compile to AVX-512
-// registers, or to pairs of AVX2 registers on AVX2-only machines.
+// Vectors are vector_math.h's 16-lane types: one AVX-512 register, or a pair of AVX2 registers.
 //
 // Threads (thread_pool.h) split the output columns into chunks of one or two tiles (the int4
 // VNNI loop: runs of consecutive tiles, ~4 per core).
@@ -51,13 +50,17 @@
 
 #include "f32_tiles.h"
 #include "paddle/extension.h"
+#include "vector_math.h"
 #include "graph.h"
 #include "thread_pool.h"
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+using fd_kernels::bitcast;
+using fd_kernels::convert;
+using fd_kernels::f32x16;
+using fd_kernels::i32x16;
+using fd_kernels::select;
 
 enum class Kind { kInt8, kInt4, kFp8, kF32 };
 
@@ -67,28 +70,27 @@ constexpr int kRows = 4;       // rows of x per tile (8 for float32 weights: no 
 template <Kind KIND>
 constexpr int kRowsFor = KIND == Kind::kF32 ? 8 : kRows;
 
-inline f32x16 load_f32(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+inline f32x16 load_f32(const float* p) { return fd_kernels::load16(p); }
 
-inline void store_f32(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_f32(float* p, f32x16 v) { fd_kernels::store16(p, v); }
 
 // Byte -> int32 widening uses intrinsics: GCC lowers __builtin_convertvector of 16 bytes to
 // 16 ints as scalar inserts, which made the int8 loop ~10x slower.
 inline i32x16 widen_bytes(const void* p, bool is_signed) {
 #if defined(__AVX512F__)
   const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
-  return (i32x16)(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+  const __m512i w = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  i32x16 r;
+  std::memcpy(&r, &w, sizeof(r));
+  return r;
 #elif defined(__AVX2__)
   const __m128i b0 = _mm_loadl_epi64(static_cast<const __m128i*>(p));
   const __m128i b1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const char*>(p) + 8));
   const __m256i lo = is_signed ? _mm256_cvtepi8_epi32(b0) : _mm256_cvtepu8_epi32(b0);
   const __m256i hi = is_signed ? _mm256_cvtepi8_epi32(b1) : _mm256_cvtepu8_epi32(b1);
   i32x16 r;
-  std::memcpy(&r, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  std::memcpy(&r.lo, &lo, 32);
+  std::memcpy(&r.hi, &hi, 32);
   return r;
 #else
   i32x16 r;
@@ -102,12 +104,12 @@ inline i32x16 widen_bytes(const void* p, bool is_signed) {
 template <Kind KIND>
 inline f32x16 load_w(const uint8_t* row);
 
-inline f32x16 widen_i8(const uint8_t* p) { return __builtin_convertvector(widen_bytes(p, true), f32x16); }
+inline f32x16 widen_i8(const uint8_t* p) { return convert<f32x16>(widen_bytes(p, true)); }
 
 inline void widen_u4(const uint8_t* p, f32x16* lo, f32x16* hi) {
   const i32x16 w = widen_bytes(p, false);
-  *lo = __builtin_convertvector(w & 15, f32x16);
-  *hi = __builtin_convertvector(w >> 4, f32x16);
+  *lo = convert<f32x16>(w & 15);
+  *hi = convert<f32x16>(w >> 4);
 }
 
 // float8 e4m3fn -> float32 exactly: a normal value moves its exponent from bias 7 to bias 127
@@ -117,9 +119,9 @@ inline f32x16 widen_fp8(const uint8_t* p) {
   const i32x16 magnitude = b & 0x7F;
   const i32x16 sign = (b & 0x80) << 24;
   const i32x16 normal = ((magnitude << 20) + (120 << 23)) | sign;
-  const f32x16 tiny = __builtin_convertvector(magnitude, f32x16) * (1.0f / 512.0f);
-  const i32x16 subnormal = (i32x16)tiny | sign;
-  return (f32x16)((magnitude >> 3) == 0 ? subnormal : normal);
+  const f32x16 tiny = convert<f32x16>(magnitude) * (1.0f / 512.0f);
+  const i32x16 subnormal = bitcast<i32x16>(tiny) | sign;
+  return bitcast<f32x16>(select((magnitude >> 3) == 0, subnormal, normal));
 }
 
 inline float scalar_fp8(uint8_t b) {
