@@ -30,6 +30,12 @@ def has_avx512f() -> bool:
     return "avx512f" in cpu_flags()
 
 
+def has_avx2_fma() -> bool:
+    """Whether the CPU executes AVX2 and FMA3 instructions (256-bit vectors with multiply-add)."""
+    flags = cpu_flags()
+    return "avx2" in flags and "fma" in flags
+
+
 #: Paddle's CPU kernels built for AVX-512 only (by the name its kernel registry knows them).
 PADDLE_AVX512_ONLY_CPU_KERNELS = frozenset({"fused_rms_norm_quant"})
 

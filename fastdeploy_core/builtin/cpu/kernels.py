@@ -17,12 +17,10 @@ concurrent processes from building the same library twice.
 When the build fails (no compiler, no Python headers) or ``FD_CPU_KERNELS=0`` is set, :func:`load_kernels` returns ``None`` and logs why once; the cpu ops then run their
 plain-Paddle reference path (and keep weights in the plain layout).
 
-The kernels are written on 16-float vectors (GCC vector extensions): one AVX-512 register each.
-On a CPU without AVX-512 GCC has no register for such a vector and keeps every one in memory
-(broadcasts built by 16 scalar stores, accumulators loaded and stored around each multiply-add):
-on an AVX2-only AMD EPYC 7002 (Zen 2) the float32 linear kernel ran at ~2 GFLOP/s per thread,
-and the engine was 7x (decode, 16 requests) to 24x (a 512-token prefill) slower with the
-kernels than with Paddle's own ops. So without AVX-512 the kernels are not loaded unless
+The kernels are written on 16-float vectors (``csrc/vector_math.h``): one AVX-512 register, or
+on an AVX2 CPU a pair of 256-bit registers. A CPU with neither AVX-512 nor AVX2 with FMA would
+keep such vectors in memory (as GCC did with plain 64-byte vector types on an AVX2 EPYC before
+the pair: 7-24x slower than Paddle's own ops), so there the kernels are not loaded unless
 ``FD_CPU_KERNELS=1`` (or ``choose_kernels_on_any_cpu()``, which the test process calls, to
 check their results on every CPU) asks for them.
 """
@@ -39,7 +37,8 @@ import threading
 from pathlib import Path
 
 from fastdeploy_core.builtin.cpu.process_env import KERNELS_ENV, kernels_disabled, kernels_forced
-from fastdeploy_core.devices.host_cpu import cpu_flags, has_avx512f
+from fastdeploy_core.devices import host_cpu
+from fastdeploy_core.devices.host_cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +146,10 @@ def load_kernels():
         try:
             if kernels_disabled():
                 raise RuntimeError(f"{KERNELS_ENV}=0 is set")
-            if not has_avx512f() and not (kernels_forced() or _chosen_on_any_cpu):
+            if not kernel_vectors_fit() and not (kernels_forced() or _chosen_on_any_cpu):
                 raise RuntimeError(
-                    "this CPU has no AVX-512: the kernels' 16-float vectors would live in memory, which measured "
-                    "7-24x slower than Paddle's own ops on an AVX2 CPU, so Paddle's are used "
+                    "this CPU has neither AVX-512 nor AVX2 with FMA: the kernels' 16-float vectors would live in "
+                    "memory, many times slower than Paddle's own ops, so Paddle's are used "
                     f"({KERNELS_ENV}=1 uses the kernels anyway)"
                 )
             name = library_name()
@@ -177,7 +176,14 @@ def load_kernels():
         return _module
 
 
-#: Set by :func:`choose_kernels_on_any_cpu`: this process uses the kernels even without AVX-512.
+def kernel_vectors_fit() -> bool:
+    """Whether the kernels' 16-float vectors fit this CPU's registers: one AVX-512 register, or two
+    AVX2 ones (with FMA)."""
+    return host_cpu.has_avx512f() or host_cpu.has_avx2_fma()
+
+
+#: Set by :func:`choose_kernels_on_any_cpu`: this process uses the kernels even on a CPU whose
+#: registers do not fit their vectors.
 _chosen_on_any_cpu = False
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from fastdeploy_core.builtin.cpu import process_env
 from fastdeploy_core.builtin.cpu.process_env import configure_process_env, kernels_disabled
+from fastdeploy_core.devices.host_cpu import cpu_flags
 
 
 def test_thread_count_defaults_to_the_usable_cores_and_keeps_a_users_value():
@@ -95,20 +96,32 @@ def test_loading_the_kernels_logs_nothing_from_paddle():
 _CHOICE = (
     "import fastdeploy_core.devices.host_cpu as h; "
     "h.cpu_flags.cache_clear(); flags = h.cpu_flags(); "
-    "h.cpu_flags = lambda: frozenset(f for f in flags if not f.startswith('avx512')) if {strip} else flags; "
-    "import fastdeploy_core.builtin.cpu.kernels as k; k.has_avx512f = h.has_avx512f; "
+    "h.cpu_flags = lambda: frozenset(f for f in flags if not f.startswith({strip!r})); "
+    "import fastdeploy_core.builtin.cpu.kernels as k; "
     "print('RESULT', k.load_kernels() is not None, k.kernel_failure())"
 )
 
 
+# Flags hidden from the subprocess: those starting with one of these prefixes.
+_NO_AVX512 = ("avx512",)
+_NO_WIDE_VECTORS = ("avx512", "avx2", "fma")
+
+
 @pytest.mark.parametrize(
     ("strip", "env", "loaded"),
-    [(True, None, False), (True, "1", True), (True, "0", False), (False, None, None)],
-    ids=["no_avx512_default", "no_avx512_forced", "no_avx512_disabled", "this_cpu_default"],
+    [
+        (_NO_WIDE_VECTORS, None, False),
+        (_NO_WIDE_VECTORS, "1", True),
+        (_NO_WIDE_VECTORS, "0", False),
+        (_NO_AVX512, None, None),
+        ((), None, None),
+    ],
+    ids=["no_avx2_default", "no_avx2_forced", "no_avx2_disabled", "no_avx512_default", "this_cpu_default"],
 )
-def test_kernels_are_chosen_by_default_only_with_avx512(strip, env, loaded):
-    """A CPU without AVX-512 runs Paddle's ops unless FD_CPU_KERNELS=1; the reason is stated."""
-    from fastdeploy_core.devices.host_cpu import has_avx512f
+def test_kernels_are_chosen_by_default_with_avx512_or_avx2(strip, env, loaded):
+    """A CPU with neither AVX-512 nor AVX2 + FMA runs Paddle's ops unless FD_CPU_KERNELS=1, and the
+    reason is stated; AVX2 + FMA is enough (the kernels' vectors are register pairs there)."""
+    flags = cpu_flags()
 
     environ = {k: v for k, v in os.environ.items() if k != "FD_CPU_KERNELS"}
     if env is not None:
@@ -118,8 +131,9 @@ def test_kernels_are_chosen_by_default_only_with_avx512(strip, env, loaded):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    if loaded is None:  # this machine's own choice
-        loaded = has_avx512f()
+    if loaded is None:  # this machine's own choice, with what is left of its flags
+        kept = {f for f in flags if not f.startswith(strip)}
+        loaded = "avx512f" in kept or {"avx2", "fma"} <= kept
     assert line.startswith(f"RESULT {loaded}"), line
-    if strip and env is None:
-        assert "this CPU has no AVX-512" in line and "FD_CPU_KERNELS=1 uses the kernels anyway" in line
+    if strip == _NO_WIDE_VECTORS and env is None:
+        assert "neither AVX-512 nor AVX2 with FMA" in line and "FD_CPU_KERNELS=1 uses the kernels anyway" in line

@@ -66,9 +66,24 @@ enum class Kind { kInt8, kInt4, kFp8, kF32 };
 
 constexpr int64_t kCols = fd_kernels::kTileColumns;  // output columns per tile: two vectors
 constexpr int64_t kPrefetchRows = 16;  // weight rows a 1-2 row tile asks for ahead of its loads
-constexpr int kRows = 4;       // rows of x per tile (8 for float32 weights: no widening, more FMAs per load)
+// A tile's geometry: rows of x per tile and 16-column vectors per row, sized to the register file.
+#if defined(__AVX512F__)
+// 32 zmm registers: whole 32-column tiles (2 vectors per row), 4 rows (8 for float32 weights: no
+// widening, more FMAs per load).
+constexpr int kTileVecs = 2;
 template <Kind KIND>
-constexpr int kRowsFor = KIND == Kind::kF32 ? 8 : kRows;
+constexpr int kRowsFor = KIND == Kind::kF32 ? 8 : 4;
+#else
+// 16 ymm registers, a 16-column vector is two of them: half tiles (16 columns), 6 rows for
+// float32 (12 accumulators, the weights as memory operands; the sums are the results) and 3 for
+// the quantized kinds (6 accumulators, 6 running totals, the widened weights). fd_f32_linear of
+// [M, 576] x [576, 1536] on an AVX2 EPYC 7002 (Zen 2, 2 threads): whole tiles of 8 rows 68-72
+// GFLOP/s at M = 16-512, half tiles of 6 rows 76-93 (Paddle's matmul: 76-88). Steps of 1-2
+// rows still take whole tiles (gemm below): one pass over each tile's weight stream.
+constexpr int kTileVecs = 1;
+template <Kind KIND>
+constexpr int kRowsFor = KIND == Kind::kF32 ? 6 : 3;
+#endif
 
 inline f32x16 load_f32(const float* p) { return fd_kernels::load16(p); }
 
@@ -162,101 +177,101 @@ struct Problem {
 // row's float32 result depends only on this choice (fd_f32_linear_tile relies on that).
 constexpr bool two_chains_for(int rows) { return rows <= 2; }
 
-// One tile: ROWS rows of x (starting at row m) times columns [n0, n0 + 32) of W.
-template <int ROWS, Kind KIND, bool TWO_CHAINS = two_chains_for(ROWS)>
+// One tile: ROWS rows of x (starting at row m) times columns [n0, n0 + 16 V) of W, inside one
+// 32-column tile of the layout (V = 2: the whole tile; V = 1: either half).
+template <int ROWS, Kind KIND, bool TWO_CHAINS = two_chains_for(ROWS), int V = 2>
 void tile(const Problem& p, int64_t m, int64_t n0) {
+  static_assert(V == 1 || V == 2, "a tile covers one or two 16-column vectors");
   const int64_t K = p.K, N = p.N;
   const float* x = p.x + m * K;
-  f32x16 total[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) total[r][0] = total[r][1] = f32x16{};
+  // The weights of tile n0 / 32 from its column n0 % 32 on (int4: a byte holds two rows, so a
+  // column is one byte of a row pair).
+  const uint8_t* w = p.w + (n0 / kCols) * p.tile_bytes + (n0 % kCols) * (KIND == Kind::kInt4 ? 1 : kElem<KIND>);
+  constexpr int64_t kVecBytes = 16 * kElem<KIND>;  // one vector's weights within a row
+  f32x16 total[ROWS][V];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < V; ++v) total[r][v] = f32x16{};
   for (int64_t g = 0; g < p.G; ++g) {
-    f32x16 acc[ROWS][2];
-    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = f32x16{};
-    const int64_t k_begin = g * p.group, k_end = std::min(K, k_begin + p.group);
+    f32x16 acc[ROWS][V];
     // With few rows the multiply-adds of consecutive k would form one dependency chain per
     // accumulator (4-cycle FMA latency); a second accumulator set lets two k run at once.
-    constexpr bool kTwoChains = TWO_CHAINS;
-    f32x16 acc2[ROWS][2];
-    for (int r = 0; r < ROWS; ++r) acc2[r][0] = acc2[r][1] = f32x16{};
+    f32x16 acc2[ROWS][V];
+    for (int r = 0; r < ROWS; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = acc2[r][v] = f32x16{};
+    const int64_t k_begin = g * p.group, k_end = std::min(K, k_begin + p.group);
     if constexpr (KIND == Kind::kInt4) {
       for (int64_t k = k_begin; k < k_end; k += 2) {
-        const uint8_t* row = p.w + (n0 / kCols) * p.tile_bytes + (k / 2) * p.row_bytes;
-        f32x16 lo0, hi0, lo1, hi1;
-        widen_u4(row, &lo0, &hi0);
-        widen_u4(row + 16, &lo1, &hi1);
+        const uint8_t* row = w + (k / 2) * p.row_bytes;
+        f32x16 lo[V], hi[V];
+        for (int v = 0; v < V; ++v) widen_u4(row + 16 * v, &lo[v], &hi[v]);
         for (int r = 0; r < ROWS; ++r) {
           const float xa = x[r * K + k], xb = x[r * K + k + 1];
-          acc[r][0] += xa * lo0;
-          acc[r][1] += xa * lo1;
-          if constexpr (kTwoChains) {
-            acc2[r][0] += xb * hi0;
-            acc2[r][1] += xb * hi1;
-          } else {
-            acc[r][0] += xb * hi0;
-            acc[r][1] += xb * hi1;
+          for (int v = 0; v < V; ++v) {
+            acc[r][v] += xa * lo[v];
+            if constexpr (TWO_CHAINS)
+              acc2[r][v] += xb * hi[v];
+            else
+              acc[r][v] += xb * hi[v];
           }
         }
       }
     } else {
       int64_t k = k_begin;
-      if constexpr (kTwoChains) {
+      if constexpr (TWO_CHAINS) {
         for (; k + 1 < k_end; k += 2) {
-          const uint8_t* row = p.w + (n0 / kCols) * p.tile_bytes + k * p.row_bytes;
+          const uint8_t* row = w + k * p.row_bytes;
           // A batch-1/2 tile streams its weights once: ask for them kPrefetchRows rows ahead.
-          for (int64_t b = 0; b < 2 * kCols * kElem<KIND>; b += 64)
+          for (int64_t b = 0; b < 2 * V * kVecBytes; b += 64)
             _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.row_bytes + b), _MM_HINT_T0);
-          const f32x16 w0 = load_w<KIND>(row), w1 = load_w<KIND>(row + 16 * kElem<KIND>);
-          const f32x16 v0 = load_w<KIND>(row + p.row_bytes), v1 = load_w<KIND>(row + p.row_bytes + 16 * kElem<KIND>);
+          f32x16 wa[V], wb[V];
+          for (int v = 0; v < V; ++v) {
+            wa[v] = load_w<KIND>(row + v * kVecBytes);
+            wb[v] = load_w<KIND>(row + p.row_bytes + v * kVecBytes);
+          }
           for (int r = 0; r < ROWS; ++r) {
             const float xa = x[r * K + k], xb = x[r * K + k + 1];
-            acc[r][0] += xa * w0;
-            acc[r][1] += xa * w1;
-            acc2[r][0] += xb * v0;
-            acc2[r][1] += xb * v1;
+            for (int v = 0; v < V; ++v) {
+              acc[r][v] += xa * wa[v];
+              acc2[r][v] += xb * wb[v];
+            }
           }
         }
       }
       for (; k < k_end; ++k) {
-        const uint8_t* row = p.w + (n0 / kCols) * p.tile_bytes + k * p.row_bytes;
-        const f32x16 w0 = load_w<KIND>(row), w1 = load_w<KIND>(row + 16 * kElem<KIND>);
+        const uint8_t* row = w + k * p.row_bytes;
+        f32x16 wa[V];
+        for (int v = 0; v < V; ++v) wa[v] = load_w<KIND>(row + v * kVecBytes);
         for (int r = 0; r < ROWS; ++r) {
           const float xv = x[r * K + k];
-          acc[r][0] += xv * w0;
-          acc[r][1] += xv * w1;
+          for (int v = 0; v < V; ++v) acc[r][v] += xv * wa[v];
         }
       }
     }
-    if constexpr (kTwoChains) {
-      for (int r = 0; r < ROWS; ++r) {
-        acc[r][0] += acc2[r][0];
-        acc[r][1] += acc2[r][1];
-      }
+    if constexpr (TWO_CHAINS) {
+      for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < V; ++v) acc[r][v] += acc2[r][v];
     }
     if constexpr (KIND == Kind::kF32) {
-      for (int r = 0; r < ROWS; ++r) {
-        total[r][0] += acc[r][0];
-        total[r][1] += acc[r][1];
-      }
+      // One group (gemm's float32 callers pass G = 1): the sums are the results. Storing them
+      // here keeps ``total`` out of the registers the k loop needs.
+      for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < V; ++v) store_f32(p.y + (m + r) * N + n0 + 16 * v, acc[r][v]);
+      return;
     } else {
-      const f32x16 s0 = load_f32(p.scale + g * N + n0), s1 = load_f32(p.scale + g * N + n0 + 16);
-      for (int r = 0; r < ROWS; ++r) {
-        total[r][0] += acc[r][0] * s0;
-        total[r][1] += acc[r][1] * s1;
+      for (int v = 0; v < V; ++v) {
+        const f32x16 sv = load_f32(p.scale + g * N + n0 + 16 * v);
+        for (int r = 0; r < ROWS; ++r) total[r][v] += acc[r][v] * sv;
       }
     }
     if (p.offset != nullptr) {
-      const f32x16 o0 = load_f32(p.offset + g * N + n0), o1 = load_f32(p.offset + g * N + n0 + 16);
-      for (int r = 0; r < ROWS; ++r) {
-        const float xs = p.xsum[(m + r) * p.G + g];
-        total[r][0] += xs * o0;
-        total[r][1] += xs * o1;
+      for (int v = 0; v < V; ++v) {
+        const f32x16 ov = load_f32(p.offset + g * N + n0 + 16 * v);
+        for (int r = 0; r < ROWS; ++r) total[r][v] += p.xsum[(m + r) * p.G + g] * ov;
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    store_f32(p.y + (m + r) * N + n0, total[r][0]);
-    store_f32(p.y + (m + r) * N + n0 + 16, total[r][1]);
-  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < V; ++v) store_f32(p.y + (m + r) * N + n0 + 16 * v, total[r][v]);
 }
 
 // Columns past the last full tile (N % 32), one at a time.
@@ -312,20 +327,28 @@ void gemm(Problem p) {
     const Job& j = *static_cast<Job*>(ctx);
     const Problem& q = *j.p;
     for (int64_t t = c * j.per_chunk; t < std::min(j.full_tiles, (c + 1) * j.per_chunk); ++t) {
-      const int64_t n0 = t * kCols;
-      int64_t m = 0;
-      // Row blocking (which rows land in a 1-2 row tile) is mirrored by fd_kernels::f32_linear_two_chains.
-      constexpr int R = kRowsFor<KIND>;
-      for (; m + R <= q.M; m += R) tile<R, KIND>(q, m, n0);
-      switch (q.M - m) {
-        case 7: tile<7, KIND>(q, m, n0); break;
-        case 6: tile<6, KIND>(q, m, n0); break;
-        case 5: tile<5, KIND>(q, m, n0); break;
-        case 4: tile<4, KIND>(q, m, n0); break;
-        case 3: tile<3, KIND>(q, m, n0); break;
-        case 2: tile<2, KIND>(q, m, n0); break;
-        case 1: tile<1, KIND>(q, m, n0); break;
-        default: break;
+      const int64_t n_end = (t + 1) * kCols;
+      if (q.M <= 2) {  // whole tiles: a 1-2 row step streams its weights, one pass over each tile
+        if (q.M == 2) tile<2, KIND>(q, 0, t * kCols);
+        if (q.M == 1) tile<1, KIND>(q, 0, t * kCols);
+        continue;
+      }
+      for (int64_t n0 = t * kCols; n0 < n_end; n0 += 16 * kTileVecs) {
+        int64_t m = 0;
+        // Row blocking (which rows land in a 1-2 row tile) is mirrored by fd_kernels::f32_linear_two_chains.
+        constexpr int R = kRowsFor<KIND>;
+        constexpr int V = kTileVecs;
+        for (; m + R <= q.M; m += R) tile<R, KIND, two_chains_for(R), V>(q, m, n0);
+        switch (q.M - m) {
+          case 7: tile<7, KIND, two_chains_for(7), V>(q, m, n0); break;
+          case 6: tile<6, KIND, two_chains_for(6), V>(q, m, n0); break;
+          case 5: tile<5, KIND, two_chains_for(5), V>(q, m, n0); break;
+          case 4: tile<4, KIND, two_chains_for(4), V>(q, m, n0); break;
+          case 3: tile<3, KIND, two_chains_for(3), V>(q, m, n0); break;
+          case 2: tile<2, KIND, two_chains_for(2), V>(q, m, n0); break;
+          case 1: tile<1, KIND, two_chains_for(1), V>(q, m, n0); break;
+          default: break;
+        }
       }
     }
   };
@@ -1001,7 +1024,6 @@ std::vector<paddle::Tensor> Fp8Linear(const paddle::Tensor& x, const paddle::Ten
 // y[M, N] = x[M, K] @ W[K, N] for float32 W: the same tiles without scales. Paddle's MKL
 // sgemm reads a decode step's weights at ~16 GB/s from one thread; this loop streams them
 // with both cores.
-// y[M, N] = x[M, K] @ W[K, N] for float32 W: the same tiles without scales.
 std::vector<paddle::Tensor> F32Linear(const paddle::Tensor& x_in, const paddle::Tensor& weight) {
   PD_CHECK(weight.dtype() == paddle::DataType::FLOAT32, "weight must be float32");
   PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32, "x must be float32");
