@@ -225,6 +225,20 @@ inline f32x16 sum16(const f32x16* v) {
                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
   return (f32x16)_mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
                                _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+#elif defined(__AVX2__)
+  // The halves' sum per vector, then the same tree on 8 lanes: hadd pairs neighbours, twice,
+  // leaving each 128-bit lane with four vectors' partial sums; the two lanes are added last.
+  __m256 t[16];
+  for (int i = 0; i < 16; ++i) t[i] = (__m256)(v[i].lo + v[i].hi);
+  f32x16 r;
+  for (int half = 0; half < 2; ++half) {
+    const __m256* u = t + 8 * half;
+    const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(u[0], u[1]), _mm256_hadd_ps(u[2], u[3]));
+    const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(u[4], u[5]), _mm256_hadd_ps(u[6], u[7]));
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+    (half == 0 ? r.lo : r.hi) = (f32x16::Half)sums;
+  }
+  return r;
 #else
   f32x16 r{};
   for (int i = 0; i < 16; ++i) r[i] = hsum(v[i]);
