@@ -64,6 +64,7 @@ HEADERS = (
     _CSRC / "graph.h",
     _CSRC / "bf16_attention.h",
     _CSRC / "cpu_features.h",
+    _CSRC / "int8_dot.h",
 )
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
 LD_FLAGS = ["-pthread"]
@@ -199,6 +200,14 @@ def has_avx512_vnni() -> bool:
     """Whether this CPU has AVX-512 VNNI (the kernels are built with ``-march=native``, so then
     ``fd_int4_linear`` multiplies the int4 VNNI layout with ``vpdpbusd``)."""
     return "avx512_vnni" in cpu_flags()
+
+
+def has_int8_dot() -> bool:
+    """Whether ``fd_int4_linear`` multiplies the int4 VNNI layout with integer dot products here
+    (``csrc/int8_dot.h``): ``vpdpbusd`` with AVX-512 VNNI, else ``vpmaddubsw`` + ``vpmaddwd`` with
+    AVX2, FMA and F16C."""
+    flags = cpu_flags()
+    return ("avx512_vnni" in flags and "avx512bw" in flags) or {"avx2", "fma", "f16c"} <= flags
 
 
 def has_avx512_bf16() -> bool:

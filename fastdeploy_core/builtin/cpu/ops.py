@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 from paddle import _C_ops
 
-from fastdeploy_core.builtin.cpu.kernels import has_avx512_vnni, load_kernels
+from fastdeploy_core.builtin.cpu.kernels import has_avx512_vnni, has_int8_dot, load_kernels
 from fastdeploy_core.builtin.cpu.layout import (
     PACK_COLUMNS,
     VNNI_CHUNK,
@@ -118,9 +118,10 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             return ReferenceOps.bf16_linear(self, x, weight, bias)
         return add_bias(_run("fd_bf16_linear", x, weight, self.bf16_path if path is None else int(path))[0], bias)
 
-    #: int4 layers (``wint4``, ``w4a8``) take the VNNI layout when the CPU has AVX-512 VNNI
-    #: (``FD_INT4_VNNI=0``: keep ``[N / 32, K / 2, 32]`` and the float-FMA loop).
-    int4_vnni_layout = has_avx512_vnni() and os.environ.get("FD_INT4_VNNI", "1") not in ("0", "")
+    #: int4 layers (``wint4``, ``w4a8``) take the VNNI layout when the kernels have integer dot
+    #: products on this CPU (AVX-512 VNNI, or AVX2: ``has_int8_dot``); ``FD_INT4_VNNI=0`` keeps
+    #: ``[N / 32, K / 2, 32]`` and the float-FMA loop.
+    int4_vnni_layout = has_int8_dot() and os.environ.get("FD_INT4_VNNI", "1") not in ("0", "")
 
     def prepare_int4_weights(self, weight: paddle.Tensor, scale: paddle.Tensor, offset: paddle.Tensor):
         """An int4 layer's ``(weight, scale, offset)`` for ``fd_int4_linear``'s ``vpdpbusd`` path, else ``None``.
@@ -129,7 +130,7 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         the scales and offsets ``[N / 32, G, 32]`` column tiles (each tile's scales one contiguous
         stream, as its codes), float16 when both convert exactly (GGUF Q4_0 / Q4_1 store ``d`` and
         ``m`` as float16: a decode step then reads 20 instead of 24 bytes per 32 weights).
-        ``None`` (the layer keeps :meth:`prepare_linear_weight`'s layout) without VNNI, kernels,
+        ``None`` (the layer keeps :meth:`prepare_linear_weight`'s layout) without integer dot products, kernels,
         or when ``K % 8`` or ``N % 32`` is not 0.
         """
         if (

@@ -1,9 +1,11 @@
 """The int4 VNNI layout ``[N / 32, K / 8, 32, 4]`` and ``fd_int4_linear``'s integer-dot-product path.
 
-On a CPU with AVX-512 VNNI the cpu ops store int4 weights this way (and their scales and
-offsets as ``[N / 32, G, 32]`` column tiles); the kernel then multiplies 4-bit codes with
-16-bit activation pieces through ``vpdpbusd``. On other builds the same layout runs a scalar
-loop, so these tests run everywhere.
+On a CPU with integer dot products (AVX-512 VNNI, or AVX2) the cpu ops store int4 weights this
+way (and their scales and offsets as ``[N / 32, G, 32]`` column tiles); the kernel then
+multiplies 4-bit codes with 16-bit activation pieces through ``vpdpbusd`` (AVX-512 VNNI) or
+``vpmaddubsw`` (AVX2, up to 8 rows; more rows widen each tile to float32 weights once and run the
+float32 tiles). On other builds the same layout runs a scalar loop, so these tests run
+everywhere; rows 1, 3 and 8 take the integer path on an AVX2 CPU, 17 the widened one.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@
 #include "paddle/extension.h"
 #include "vector_math.h"
 #include "graph.h"
+#include "int8_dot.h"
 #include "thread_pool.h"
 
 namespace {
@@ -303,6 +304,34 @@ void tail_column(const Problem& p, int64_t n) {
   }
 }
 
+// Every row of x times tile t (columns [32 t, 32 t + 32)), on the calling thread.
+template <Kind KIND>
+void tile_rows(const Problem& q, int64_t t) {
+  const int64_t n_end = (t + 1) * kCols;
+  if (q.M <= 2) {  // whole tiles: a 1-2 row step streams its weights, one pass over each tile
+    if (q.M == 2) tile<2, KIND>(q, 0, t * kCols);
+    if (q.M == 1) tile<1, KIND>(q, 0, t * kCols);
+    return;
+  }
+  for (int64_t n0 = t * kCols; n0 < n_end; n0 += 16 * kTileVecs) {
+    int64_t m = 0;
+    // Row blocking (which rows land in a 1-2 row tile) is mirrored by fd_kernels::f32_linear_two_chains.
+    constexpr int R = kRowsFor<KIND>;
+    constexpr int V = kTileVecs;
+    for (; m + R <= q.M; m += R) tile<R, KIND, two_chains_for(R), V>(q, m, n0);
+    switch (q.M - m) {
+      case 7: tile<7, KIND, two_chains_for(7), V>(q, m, n0); break;
+      case 6: tile<6, KIND, two_chains_for(6), V>(q, m, n0); break;
+      case 5: tile<5, KIND, two_chains_for(5), V>(q, m, n0); break;
+      case 4: tile<4, KIND, two_chains_for(4), V>(q, m, n0); break;
+      case 3: tile<3, KIND, two_chains_for(3), V>(q, m, n0); break;
+      case 2: tile<2, KIND, two_chains_for(2), V>(q, m, n0); break;
+      case 1: tile<1, KIND, two_chains_for(1), V>(q, m, n0); break;
+      default: break;
+    }
+  }
+}
+
 template <Kind KIND>
 void gemm(Problem p) {
   std::vector<float> xsum;
@@ -325,32 +354,7 @@ void gemm(Problem p) {
   } job{&p, full_tiles, per_chunk};
   auto chunk = [](void* ctx, int64_t c) {
     const Job& j = *static_cast<Job*>(ctx);
-    const Problem& q = *j.p;
-    for (int64_t t = c * j.per_chunk; t < std::min(j.full_tiles, (c + 1) * j.per_chunk); ++t) {
-      const int64_t n_end = (t + 1) * kCols;
-      if (q.M <= 2) {  // whole tiles: a 1-2 row step streams its weights, one pass over each tile
-        if (q.M == 2) tile<2, KIND>(q, 0, t * kCols);
-        if (q.M == 1) tile<1, KIND>(q, 0, t * kCols);
-        continue;
-      }
-      for (int64_t n0 = t * kCols; n0 < n_end; n0 += 16 * kTileVecs) {
-        int64_t m = 0;
-        // Row blocking (which rows land in a 1-2 row tile) is mirrored by fd_kernels::f32_linear_two_chains.
-        constexpr int R = kRowsFor<KIND>;
-        constexpr int V = kTileVecs;
-        for (; m + R <= q.M; m += R) tile<R, KIND, two_chains_for(R), V>(q, m, n0);
-        switch (q.M - m) {
-          case 7: tile<7, KIND, two_chains_for(7), V>(q, m, n0); break;
-          case 6: tile<6, KIND, two_chains_for(6), V>(q, m, n0); break;
-          case 5: tile<5, KIND, two_chains_for(5), V>(q, m, n0); break;
-          case 4: tile<4, KIND, two_chains_for(4), V>(q, m, n0); break;
-          case 3: tile<3, KIND, two_chains_for(3), V>(q, m, n0); break;
-          case 2: tile<2, KIND, two_chains_for(2), V>(q, m, n0); break;
-          case 1: tile<1, KIND, two_chains_for(1), V>(q, m, n0); break;
-          default: break;
-        }
-      }
-    }
+    for (int64_t t = c * j.per_chunk; t < std::min(j.full_tiles, (c + 1) * j.per_chunk); ++t) tile_rows<KIND>(*j.p, t);
   };
   fd_kernels::Pool::instance().run((full_tiles + per_chunk - 1) / per_chunk, chunk, &job);
   for (int64_t n = full_tiles * kCols; n < p.N; ++n) tail_column<KIND>(p, n);
@@ -423,12 +427,13 @@ struct VnniProblem {
   float* y;                               // [M, N]
 };
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(FD_INT8_DOT)
+using namespace fd_int8_dot;
 
 // Sixteen scales (or offsets) from element ``at`` on, widened from float16 when ``half``.
-inline __m512 load_scales(const void* base, int64_t at, bool half) {
-  if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)));
-  return _mm512_loadu_ps(static_cast<const float*>(base) + at);
+inline F32 load_scales(const void* base, int64_t at, bool half) {
+  if (half) return load_half(static_cast<const uint16_t*>(base) + at);
+  return load_f(static_cast<const float*>(base) + at);
 }
 
 // The nibble codes of one 128-byte chunk at src (32 columns x 8 k) as vpdpbusd operands:
@@ -436,44 +441,48 @@ inline __m512 load_scales(const void* base, int64_t at, bool half) {
 // Software prefetch 4 KB ahead in the weight stream: a one-thread step's 120 calls went from
 // ~14-15 to ~17-18 GB/s (the hardware prefetcher alone leaves gaps at this compute density;
 // 1-12 KB and T0/T1/NTA hints measured, 2-4 KB NTA/T0 best, noisy).
-__attribute__((always_inline)) inline void load_chunk(const uint8_t* src, __m512i (&codes)[4]) {
+__attribute__((always_inline)) inline void load_chunk(const uint8_t* src, I32 (&codes)[4]) {
   _mm_prefetch(reinterpret_cast<const char*>(src + kVnniPrefetch), _MM_HINT_NTA);
   _mm_prefetch(reinterpret_cast<const char*>(src + kVnniPrefetch + 64), _MM_HINT_NTA);
-  const __m512i mask = _mm512_set1_epi8(0x0F);
-  const __m512i w0 = _mm512_loadu_si512(src), w1 = _mm512_loadu_si512(src + 64);
-  codes[0] = _mm512_and_si512(w0, mask);
-  codes[1] = _mm512_and_si512(w1, mask);
-  codes[2] = _mm512_and_si512(_mm512_srli_epi16(w0, 4), mask);
-  codes[3] = _mm512_and_si512(_mm512_srli_epi16(w1, 4), mask);
+  const I32 mask = set1_bytes(0x0F);
+  const I32 w0 = load_i(src), w1 = load_i(src + 64);
+  codes[0] = and_i(w0, mask);
+  codes[1] = and_i(w1, mask);
+  codes[2] = and_i(shr4_bytes(w0), mask);
+  codes[3] = and_i(shr4_bytes(w1), mask);
 }
 
 // acc += a chunk's codes times 8 int8 activations at x (k 0..3 broadcast against codes[0..1],
 // k 4..7 against codes[2..3]); with SPLIT the k 4..7 products go to acc2, a second dependency
 // chain (one row: consecutive vpdpbusd would otherwise wait on each other, 4-cycle latency).
-template <bool SPLIT>
-__attribute__((always_inline)) inline void dot_chunk(const __m512i (&codes)[4], const int8_t* x, __m512i (&acc)[2],
-                                                     __m512i (&acc2)[2]) {
+// SHORT: the accumulators take short sums (dot16: at most 8 calls each before block_dot widens
+// them; blocks of 32 k are 4 chunks, 2 calls per accumulator and chunk at most).
+template <bool SPLIT, bool SHORT = false>
+__attribute__((always_inline)) inline void dot_chunk(const I32 (&codes)[4], const int8_t* x, I32 (&acc)[2],
+                                                     I32 (&acc2)[2]) {
   int32_t a, c;
   std::memcpy(&a, x, 4);
   std::memcpy(&c, x + 4, 4);
-  const __m512i xa = _mm512_set1_epi32(a), xc = _mm512_set1_epi32(c);
-  acc[0] = _mm512_dpbusd_epi32(acc[0], codes[0], xa);
-  acc[1] = _mm512_dpbusd_epi32(acc[1], codes[1], xa);
-  __m512i(&second)[2] = SPLIT ? acc2 : acc;
-  second[0] = _mm512_dpbusd_epi32(second[0], codes[2], xc);
-  second[1] = _mm512_dpbusd_epi32(second[1], codes[3], xc);
+  const I32 xa = set1_i(a), xc = set1_i(c);
+  auto dot = [](I32 s, I32 u8, I32 s8) __attribute__((always_inline)) { return SHORT ? dot16(s, u8, s8) : dpbusd(s, u8, s8); };
+  acc[0] = dot(acc[0], codes[0], xa);
+  acc[1] = dot(acc[1], codes[1], xa);
+  I32(&second)[2] = SPLIT ? acc2 : acc;
+  second[0] = dot(second[0], codes[2], xc);
+  second[1] = dot(second[1], codes[3], xc);
 }
 
 // A block's integer dot product from its accumulators: low piece + 256 x high piece (two
-// pieces), each the sum of its two chains when SPLIT.
-template <bool SPLIT, int PIECES>
-__attribute__((always_inline)) inline __m512i block_dot(__m512i lo, __m512i lo2, __m512i hi, __m512i hi2) {
-  __m512i v = lo;
-  if constexpr (SPLIT) v = _mm512_add_epi32(v, lo2);
+// pieces), each the sum of its two chains when SPLIT; SHORT accumulators widened first.
+template <bool SPLIT, int PIECES, bool SHORT = false>
+__attribute__((always_inline)) inline I32 block_dot(I32 lo, I32 lo2, I32 hi, I32 hi2) {
+  auto wide = [](I32 s) __attribute__((always_inline)) { return SHORT ? widen16(s) : s; };
+  I32 v = wide(lo);
+  if constexpr (SPLIT) v = add_i(v, wide(lo2));
   if constexpr (PIECES == 2) {
-    __m512i u = hi;
-    if constexpr (SPLIT) u = _mm512_add_epi32(u, hi2);
-    v = _mm512_add_epi32(v, _mm512_slli_epi32(u, 8));
+    I32 u = wide(hi);
+    if constexpr (SPLIT) u = add_i(u, wide(hi2));
+    v = add_i(v, shl_i(u, 8));
   }
   return v;
 }
@@ -487,22 +496,22 @@ void vnni_tile(const VnniProblem& p, int64_t m, int64_t t) {
   // One row: a second accumulator per vector for the high nibbles (k 4..7), so consecutive
   // vpdpbusd do not wait on each other (4-cycle latency).
   constexpr bool kSplit = ROWS == 1;
-  __m512 total[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+  F32 total[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) total[r][0] = total[r][1] = zero_f();
   int64_t b = 0;  // activation block index
   for (int64_t g = 0; g < p.G; ++g) {
     const int64_t k_begin = g * p.group, k_end = std::min(K, k_begin + p.group);
     const int64_t at = t * p.s_tile + g * p.s_group;
-    const __m512 s0 = load_scales(p.scale, at, p.half), s1 = load_scales(p.scale, at + 16, p.half);
+    const F32 s0 = load_scales(p.scale, at, p.half), s1 = load_scales(p.scale, at + 16, p.half);
     for (int64_t kb = k_begin; kb < k_end; kb += p.block, ++b) {
       const int64_t ke = std::min(k_end, kb + p.block);
-      __m512i lo[ROWS][2], lo2[ROWS][2], hi[ROWS][2], hi2[ROWS][2];
+      I32 lo[ROWS][2], lo2[ROWS][2], hi[ROWS][2], hi2[ROWS][2];
       for (int r = 0; r < ROWS; ++r) {
         // Two pieces: start at -8 * sum(a), so the block's sum is that of (q - 8) * a.
-        const __m512i start = PIECES == 2 ? _mm512_set1_epi32(-p.bsum8[(m + r) * p.NB + b]) : _mm512_setzero_si512();
+        const I32 start = PIECES == 2 ? set1_i(-p.bsum8[(m + r) * p.NB + b]) : zero_i();
         for (int h = 0; h < 2; ++h) {
           lo[r][h] = start;
-          lo2[r][h] = hi[r][h] = hi2[r][h] = _mm512_setzero_si512();
+          lo2[r][h] = hi[r][h] = hi2[r][h] = zero_i();
         }
       }
       auto step = [&](int64_t k) __attribute__((always_inline)) {
@@ -510,7 +519,7 @@ void vnni_tile(const VnniProblem& p, int64_t m, int64_t t) {
         // Software prefetch 4 KB ahead in the weight stream: a one-thread step's 120 calls went
         // from ~14-15 to ~17-18 GB/s (the hardware prefetcher alone leaves gaps at this
         // compute density; 1-12 KB and T0/T1/NTA hints measured, 2-4 KB NTA/T0 best, noisy).
-        __m512i codes[4];
+        I32 codes[4];
         load_chunk(src, codes);
         for (int r = 0; r < ROWS; ++r) {
           dot_chunk<kSplit>(codes, p.xlo + (m + r) * K + k, lo[r], lo2[r]);
@@ -524,33 +533,33 @@ void vnni_tile(const VnniProblem& p, int64_t m, int64_t t) {
       }
       // Fold the block into the totals: total += intdot * (scale_g * s_b).
       for (int r = 0; r < ROWS; ++r) {
-        __m512 f0 = s0, f1 = s1;
+        F32 f0 = s0, f1 = s1;
         if constexpr (PIECES == 2) {
-          const __m512 sb = _mm512_set1_ps(p.bscale[(m + r) * p.NB + b]);
-          f0 = _mm512_mul_ps(s0, sb);
-          f1 = _mm512_mul_ps(s1, sb);
+          const F32 sb = set1_f(p.bscale[(m + r) * p.NB + b]);
+          f0 = mul_f(s0, sb);
+          f1 = mul_f(s1, sb);
         }
         for (int h = 0; h < 2; ++h) {
-          const __m512i v = block_dot<kSplit, PIECES>(lo[r][h], lo2[r][h], hi[r][h], hi2[r][h]);
-          total[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), h == 0 ? f0 : f1, total[r][h]);
+          const I32 v = block_dot<kSplit, PIECES>(lo[r][h], lo2[r][h], hi[r][h], hi2[r][h]);
+          total[r][h] = fmadd(to_f(v), h == 0 ? f0 : f1, total[r][h]);
         }
       }
     }
-    __m512 o0 = load_scales(p.offset, at, p.half), o1 = load_scales(p.offset, at + 16, p.half);
+    F32 o0 = load_scales(p.offset, at, p.half), o1 = load_scales(p.offset, at + 16, p.half);
     if constexpr (PIECES == 2) {  // the codes were centred: w = (q - 8) * scale + (offset + 8 * scale)
-      const __m512 eight = _mm512_set1_ps(8.f);
-      o0 = _mm512_fmadd_ps(s0, eight, o0);
-      o1 = _mm512_fmadd_ps(s1, eight, o1);
+      const F32 eight = set1_f(8.f);
+      o0 = fmadd(s0, eight, o0);
+      o1 = fmadd(s1, eight, o1);
     }
     for (int r = 0; r < ROWS; ++r) {
-      const __m512 xs = _mm512_set1_ps(p.xsum[(m + r) * p.G + g]);
-      total[r][0] = _mm512_fmadd_ps(o0, xs, total[r][0]);
-      total[r][1] = _mm512_fmadd_ps(o1, xs, total[r][1]);
+      const F32 xs = set1_f(p.xsum[(m + r) * p.G + g]);
+      total[r][0] = fmadd(o0, xs, total[r][0]);
+      total[r][1] = fmadd(o1, xs, total[r][1]);
     }
   }
   for (int r = 0; r < ROWS; ++r) {
-    _mm512_storeu_ps(p.y + (m + r) * N + n0, total[r][0]);
-    _mm512_storeu_ps(p.y + (m + r) * N + n0 + 16, total[r][1]);
+    store_f(p.y + (m + r) * N + n0, total[r][0]);
+    store_f(p.y + (m + r) * N + n0 + 16, total[r][1]);
   }
 }
 
@@ -584,32 +593,32 @@ void vnni_gemm(const VnniProblem& p) {
 // calls this 120 times.
 void split_rows_16bit(const float* x, int64_t M, int64_t K, int64_t block, int64_t NB, int8_t* xhi, int8_t* xlo,
                       float* bscale, int32_t* bsum8) {
-  const __m512 zero = _mm512_setzero_ps();
-  const __m512i lim = _mm512_set1_epi32(kPieceMax), nlim = _mm512_set1_epi32(-kPieceMax);
-  const __m512i half = _mm512_set1_epi32(128);
+  const F32 zero = zero_f();
+  const I32 lim = set1_i(kPieceMax), nlim = set1_i(-kPieceMax);
+  const I32 half = set1_i(128);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     for (int64_t b = 0; b < NB; ++b) {
       const int64_t kb = b * block, ke = std::min(K, kb + block);
-      __m512 amax = zero;
+      F32 amax = zero;
       int64_t k = kb;
-      for (; k + 16 <= ke; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
-      float a = _mm512_reduce_max_ps(amax);
+      for (; k + 16 <= ke; k += 16) amax = max_f(amax, abs_f(load_f(xr + k)));
+      float a = reduce_max_f(amax);
       for (; k < ke; ++k) a = std::max(a, std::fabs(xr[k]));
       bscale[m * NB + b] = a > 0.f ? a / kPieceMax : 1.f;
       const float inv = a > 0.f ? kPieceMax / a : 0.f;
-      const __m512 vinv = _mm512_set1_ps(inv);
-      __m512i vsum = _mm512_setzero_si512();
+      const F32 vinv = set1_f(inv);
+      I32 vsum = zero_i();
       int32_t sum = 0;
       k = kb;
       for (; k + 16 <= ke; k += 16) {
-        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + k), vinv));
-        q = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, q));
-        vsum = _mm512_add_epi32(vsum, q);
-        const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, half), 8);  // round(a / 256)
-        const __m512i l = _mm512_sub_epi32(q, _mm512_slli_epi32(h, 8));       // in [-128, 127]
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(xhi + m * K + k), _mm512_cvtepi32_epi8(h));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(xlo + m * K + k), _mm512_cvtepi32_epi8(l));
+        I32 q = round_i(mul_f(load_f(xr + k), vinv));
+        q = max_i(nlim, min_i(lim, q));
+        vsum = add_i(vsum, q);
+        const I32 h = sar_i(add_i(q, half), 8);  // round(a / 256)
+        const I32 l = sub_i(q, shl_i(h, 8));       // in [-128, 127]
+        store_bytes(xhi + m * K + k, h);
+        store_bytes(xlo + m * K + k, l);
       }
       for (; k < ke; ++k) {
         const int q = std::max(-kPieceMax, std::min(kPieceMax, static_cast<int>(std::nearbyint(xr[k] * inv))));
@@ -618,7 +627,7 @@ void split_rows_16bit(const float* x, int64_t M, int64_t K, int64_t block, int64
         xhi[m * K + k] = static_cast<int8_t>(h);
         xlo[m * K + k] = static_cast<int8_t>(q - 256 * h);
       }
-      bsum8[m * NB + b] = 8 * (sum + _mm512_reduce_add_epi32(vsum));
+      bsum8[m * NB + b] = 8 * (sum + reduce_add_i(vsum));
     }
   }
 }
@@ -650,10 +659,10 @@ void vnni32_tile(const Vnni32& p, int64_t m, int64_t t) {
   const int8_t* xb = p.panel + m * 64;
   const float* mb = p.meta + m * 4;
   constexpr bool kSplit = ROWS == 1;
-  __m512 total[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+  F32 total[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) total[r][0] = total[r][1] = zero_f();
   int64_t at = t * p.s_tile, left = 0;
-  __m512 s0 = _mm512_setzero_ps(), s1 = s0, o0 = s0, o1 = s0;
+  F32 s0 = zero_f(), s1 = s0, o0 = s0, o1 = s0;
   for (int64_t b = 0; b < NB; ++b, w += 4 * kVnniTileBytes, xb += M * 64, mb += M * 4) {
     if (left == 0) {  // a new group: its scales, and offset + 8 * scale for centred codes
       s0 = load_scales(p.scale, at, p.half);
@@ -661,52 +670,50 @@ void vnni32_tile(const Vnni32& p, int64_t m, int64_t t) {
       o0 = load_scales(p.offset, at, p.half);
       o1 = load_scales(p.offset, at + 16, p.half);
       if constexpr (PIECES == 2) {
-        o0 = _mm512_fmadd_ps(s0, _mm512_set1_ps(8.f), o0);
-        o1 = _mm512_fmadd_ps(s1, _mm512_set1_ps(8.f), o1);
+        o0 = fmadd(s0, set1_f(8.f), o0);
+        o1 = fmadd(s1, set1_f(8.f), o1);
       }
       at += p.s_group;
       left = p.bpg;
     }
     --left;
-    __m512i lo[ROWS][2], lo2[ROWS][2], hi[ROWS][2], hi2[ROWS][2];
-    for (int r = 0; r < ROWS; ++r) {
-      int32_t start = 0;
-      if constexpr (PIECES == 2) std::memcpy(&start, mb + r * 4 + 1, 4);
-      for (int h = 0; h < 2; ++h) {
-        lo[r][h] = _mm512_set1_epi32(start);
-        lo2[r][h] = hi[r][h] = hi2[r][h] = _mm512_setzero_si512();
-      }
-    }
+    // Short sums (dot16) over the block's 4 chunks; the start value is added once widened.
+    I32 lo[ROWS][2], lo2[ROWS][2], hi[ROWS][2], hi2[ROWS][2];
+    for (int r = 0; r < ROWS; ++r)
+      for (int h = 0; h < 2; ++h) lo[r][h] = lo2[r][h] = hi[r][h] = hi2[r][h] = zero_i();
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       const uint8_t* src = w + c * kVnniTileBytes;
-      __m512i codes[4];
+      I32 codes[4];
       load_chunk(src, codes);
       for (int r = 0; r < ROWS; ++r) {
         const int8_t* xr = xb + r * 64 + c * 8;  // 8 low pieces, the 8 high ones 32 bytes on
-        dot_chunk<kSplit>(codes, xr, lo[r], lo2[r]);
-        if constexpr (PIECES == 2) dot_chunk<kSplit>(codes, xr + 32, hi[r], hi2[r]);
+        dot_chunk<kSplit, true>(codes, xr, lo[r], lo2[r]);
+        if constexpr (PIECES == 2) dot_chunk<kSplit, true>(codes, xr + 32, hi[r], hi2[r]);
       }
     }
     for (int r = 0; r < ROWS; ++r) {
-      __m512 f0 = s0, f1 = s1;
+      F32 f0 = s0, f1 = s1;
       if constexpr (PIECES == 2) {
-        const __m512 sb = _mm512_set1_ps(mb[r * 4]);
-        f0 = _mm512_mul_ps(s0, sb);
-        f1 = _mm512_mul_ps(s1, sb);
+        const F32 sb = set1_f(mb[r * 4]);
+        f0 = mul_f(s0, sb);
+        f1 = mul_f(s1, sb);
       }
-      const __m512 xs = _mm512_set1_ps(mb[r * 4 + 2]);
+      const F32 xs = set1_f(mb[r * 4 + 2]);
+      int32_t start = 0;  // -8 * sum(a) over the block (two pieces: the codes are centred)
+      if constexpr (PIECES == 2) std::memcpy(&start, mb + r * 4 + 1, 4);
       for (int h = 0; h < 2; ++h) {
-        const __m512i v = block_dot<kSplit, PIECES>(lo[r][h], lo2[r][h], hi[r][h], hi2[r][h]);
-        total[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), h == 0 ? f0 : f1, total[r][h]);
-        total[r][h] = _mm512_fmadd_ps(h == 0 ? o0 : o1, xs, total[r][h]);
+        I32 v = block_dot<kSplit, PIECES, true>(lo[r][h], lo2[r][h], hi[r][h], hi2[r][h]);
+        if constexpr (PIECES == 2) v = add_i(v, set1_i(start));
+        total[r][h] = fmadd(to_f(v), h == 0 ? f0 : f1, total[r][h]);
+        total[r][h] = fmadd(h == 0 ? o0 : o1, xs, total[r][h]);
       }
     }
   }
   const int64_t n0 = t * kCols;
   for (int r = 0; r < ROWS; ++r) {
-    _mm512_storeu_ps(p.y + (m + r) * p.N + n0, total[r][0]);
-    _mm512_storeu_ps(p.y + (m + r) * p.N + n0 + 16, total[r][1]);
+    store_f(p.y + (m + r) * p.N + n0, total[r][0]);
+    store_f(p.y + (m + r) * p.N + n0 + 16, total[r][1]);
   }
 }
 
@@ -716,7 +723,8 @@ void vnni32_gemm(const Vnni32& p) {
     const Vnni32& q = *static_cast<const Vnni32*>(ctx);
     const int64_t tiles = q.N / kCols;
     for (int64_t t = c * q.per_chunk; t < std::min(tiles, (c + 1) * q.per_chunk); ++t) {
-      // Four rows per pass (with 2 pieces: 16 int32 accumulators; 2- or 3-row passes measured slower).
+      // Four rows per pass (with 2 pieces: 16 int32 accumulators; 2- or 3-row passes measured
+      // slower; with AVX2's register pairs 2-row passes measured alike).
       int64_t m = 0;
       for (; m + 4 <= q.M; m += 4) vnni32_tile<4, PIECES>(q, m, t);
       switch (q.M - m) {
@@ -734,43 +742,103 @@ void vnni32_gemm(const Vnni32& p) {
 // x [M, K] -> panel and meta (see Vnni32). act_int8: x holds the int8 codes (as floats).
 void vnni32_panel(const float* x, int64_t M, int64_t K, bool act_int8, int8_t* panel, float* meta) {
   const int64_t NB = K / 32;
-  const __m512i lim = _mm512_set1_epi32(kPieceMax), nlim = _mm512_set1_epi32(-kPieceMax);
-  const __m512i half = _mm512_set1_epi32(128);
+  const I32 lim = set1_i(kPieceMax), nlim = set1_i(-kPieceMax);
+  const I32 half = set1_i(128);
   for (int64_t b = 0; b < NB; ++b)
     for (int64_t m = 0; m < M; ++m) {
       const float* xr = x + m * K + b * 32;
       int8_t* out = panel + (b * M + m) * 64;
       float* mt = meta + (b * M + m) * 4;
-      const __m512 v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
-      mt[2] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+      const F32 v0 = load_f(xr), v1 = load_f(xr + 16);
+      mt[2] = reduce_add_f(add_f(v0, v1));
       mt[3] = 0.f;
       if (act_int8) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v0)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v1)));
+        store_bytes(out, round_i(v0));
+        store_bytes(out + 16, round_i(v1));
         mt[0] = 1.f;
         mt[1] = 0.f;
         continue;
       }
-      const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float a = reduce_max_f(max_f(abs_f(v0), abs_f(v1)));
       mt[0] = a > 0.f ? a / kPieceMax : 1.f;
-      const __m512 inv = _mm512_set1_ps(a > 0.f ? kPieceMax / a : 0.f);
-      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-      q0 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, q0));
-      q1 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, q1));
-      const int32_t start = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      const F32 inv = set1_f(a > 0.f ? kPieceMax / a : 0.f);
+      I32 q0 = round_i(mul_f(v0, inv)), q1 = round_i(mul_f(v1, inv));
+      q0 = max_i(nlim, min_i(lim, q0));
+      q1 = max_i(nlim, min_i(lim, q1));
+      const int32_t start = -8 * reduce_add_i(add_i(q0, q1));
       std::memcpy(mt + 1, &start, 4);
-      const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(q0, half), 8);
-      const __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(q1, half), 8);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 8))));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 8))));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32), _mm512_cvtepi32_epi8(h0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 48), _mm512_cvtepi32_epi8(h1));
+      const I32 h0 = sar_i(add_i(q0, half), 8);
+      const I32 h1 = sar_i(add_i(q1, half), 8);
+      store_bytes(out, sub_i(q0, shl_i(h0, 8)));
+      store_bytes(out + 16, sub_i(q1, shl_i(h1, 8)));
+      store_bytes(out + 32, h0);
+      store_bytes(out + 48, h1);
     }
 }
 
-constexpr bool kHaveVnni = true;
+// ---- AVX2, more than a few rows: each tile widened to float32 once, then the float32 tiles ----
+//
+// Without VNNI the integer products are vpmaddubsw (one per 32 products and piece, on the one
+// vector-multiply pipe of Zen 2), and weight-only activations take two pieces: the cost grows
+// with every row, while widening a tile's codes to float32 weights (q * scale + offset, one fused
+// multiply-add) costs the same for any number of rows. So with more rows than kIntDotRowsMax,
+// AVX2 widens each tile into a per-thread buffer [K, 32] once per call and runs fd_f32_linear's
+// tiles over all rows. fd_int4_linear [M, 1536] x [1536, 6144], groups of 32, float16 scales, on an
+// AVX2 EPYC 7002 (2 threads, 2026-12-03): integer dots 404 / 759 / 1403 / 2724 us at M = 1 / 2 / 4
+// / 8; widened tiles 3002 / 4135 us at M = 12 / 16; the float-FMA layout 702 / 1106 / 1765 /
+// 3182 / 4298 / 5920 us. Results of the widened path are those of the float32 formula (~1e-6 of
+// the largest output), of the integer one ~2e-5 (the 16-bit activation pieces).
+constexpr int64_t kIntDotRowsMax = FD_INT8_DOT == 512 ? INT64_MAX : 8;
+
+struct DequantProblem {
+  const float* x;  // [M, K] (act_int8: the int8 codes, as floats)
+  int64_t M, K, N, group;
+  const uint8_t* w;  // [N / 32, K / 8, 32, 4]
+  const void* scale;
+  const void* offset;
+  bool half;
+  int64_t s_tile, s_group;
+  float* y;
+};
+
+// Tile t's weights as float32 [K, 32] (group a multiple of 8: a chunk of 8 k lies in one group).
+void dequant_tile(const DequantProblem& p, int64_t t, float* buf) {
+  const uint8_t* wt = p.w + t * (p.K / kVnniChunk) * kVnniTileBytes;
+  const I32 mask = set1_i(15);
+  for (int64_t c = 0; c < p.K / kVnniChunk; ++c) {
+    const int64_t k0 = c * kVnniChunk;
+    const int64_t at = t * p.s_tile + (k0 / p.group) * p.s_group;
+    for (int h = 0; h < 2; ++h) {
+      const F32 sc = load_scales(p.scale, at + 16 * h, p.half), of = load_scales(p.offset, at + 16 * h, p.half);
+      // Lane n holds column n's 8 codes: k 0..3 in the low nibbles of bytes 0..3, k 4..7 in the high.
+      const I32 lanes = load_i(wt + c * kVnniTileBytes + 64 * h);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const I32 q = and_i(shr_i(lanes, 8 * (j & 3) + 4 * (j >> 2)), mask);
+        store_f(buf + (k0 + j) * kCols + 16 * h, fmadd(to_f(q), sc, of));
+      }
+    }
+  }
+}
+
+void dequant_gemm(const DequantProblem& p) {
+  auto chunk = [](void* ctx, int64_t t) {
+    const DequantProblem& q = *static_cast<const DequantProblem*>(ctx);
+    thread_local std::vector<float> buf;
+    buf.resize(q.K * kCols);
+    dequant_tile(q, t, buf.data());
+    // The buffer as a one-tile packed float32 weight: tile_bytes 0, so column n of tile t reads
+    // buffer column n % 32.
+    const Problem f{q.x, q.M, q.K, q.N, reinterpret_cast<const uint8_t*>(buf.data()), nullptr, nullptr, nullptr, 1,
+                    std::max<int64_t>(q.K, 1), q.y, kCols * static_cast<int64_t>(sizeof(float)), 0};
+    tile_rows<Kind::kF32>(f, t);
+  };
+  fd_kernels::Pool::instance().run(p.N / kCols, chunk, const_cast<DequantProblem*>(&p));
+}
+
+constexpr bool kHaveInt8Dot = true;
 #else
-constexpr bool kHaveVnni = false;
+constexpr bool kHaveInt8Dot = false;
 #endif
 
 // The VNNI layout's code q[k, n] (any build).
@@ -859,10 +927,17 @@ std::vector<paddle::Tensor> run_int4_vnni(const paddle::Tensor& x_in, const padd
       xp = xq.data();
     }
     const int64_t block = act_int8 ? (group_size % kVnniChunk == 0 ? group_size : 0) : vnni_block(group_size);
-    if (!kHaveVnni || block == 0 || M == 0) {
+    if (!kHaveInt8Dot || block == 0 || M == 0) {
       vnni_layout_scalar(xp, M, K, N, w, scale.data(), offset.data(), half, s_tile, s_group, G, group_size, y);
     } else {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(FD_INT8_DOT)
+      if (M > kIntDotRowsMax) {
+        const DequantProblem d{xp, M, K, N, group_size, w, scale.data(), offset.data(), half, s_tile, s_group, y};
+        dequant_gemm(d);
+        for (int64_t m = 0; act_int8 && m < M; ++m)
+          for (int64_t n = 0; n < N; ++n) y[m * N + n] *= row_scale[m];
+        return;
+      }
       if (group_size % 32 == 0 && K % 32 == 0) {  // ~3-8% faster than the general loop below
         const int64_t NB = K / 32;
         std::vector<int8_t> panel(NB * M * 64);
@@ -892,9 +967,9 @@ std::vector<paddle::Tensor> run_int4_vnni(const paddle::Tensor& x_in, const padd
         for (int64_t g = 0; g < G; ++g) {
           const int64_t ke = std::min(K, (g + 1) * group_size);
           int64_t k = g * group_size;
-          __m512 acc = _mm512_setzero_ps();
-          for (; k + 16 <= ke; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(xp + m * K + k));
-          float s = _mm512_reduce_add_ps(acc);
+          F32 acc = zero_f();
+          for (; k + 16 <= ke; k += 16) acc = add_f(acc, load_f(xp + m * K + k));
+          float s = reduce_add_f(acc);
           for (; k < ke; ++k) s += xp[m * K + k];
           xsum[m * G + g] = s;
         }
