@@ -85,6 +85,8 @@ constexpr int kTileVecs = 1;
 template <Kind KIND>
 constexpr int kRowsFor = KIND == Kind::kF32 ? 6 : 3;
 #endif
+// Steps of up to this many rows take whole tiles whatever kTileVecs says.
+constexpr int64_t kWholeTileRowsMax = 8;
 
 inline f32x16 load_f32(const float* p) { return fd_kernels::load16(p); }
 
@@ -180,7 +182,9 @@ constexpr bool two_chains_for(int rows) { return rows <= 2; }
 
 // One tile: ROWS rows of x (starting at row m) times columns [n0, n0 + 16 V) of W, inside one
 // 32-column tile of the layout (V = 2: the whole tile; V = 1: either half).
-template <int ROWS, Kind KIND, bool TWO_CHAINS = two_chains_for(ROWS), int V = 2>
+// STREAM: the step has few rows and streams its weights once: ask for them kPrefetchRows rows
+// ahead (tiles of two chains always do).
+template <int ROWS, Kind KIND, bool TWO_CHAINS = two_chains_for(ROWS), int V = 2, bool STREAM = false>
 void tile(const Problem& p, int64_t m, int64_t n0) {
   static_assert(V == 1 || V == 2, "a tile covers one or two 16-column vectors");
   const int64_t K = p.K, N = p.N;
@@ -240,6 +244,9 @@ void tile(const Problem& p, int64_t m, int64_t n0) {
       }
       for (; k < k_end; ++k) {
         const uint8_t* row = w + k * p.row_bytes;
+        if constexpr (STREAM && !TWO_CHAINS)
+          for (int64_t b = 0; b < V * kVecBytes; b += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.row_bytes + b), _MM_HINT_T0);
         f32x16 wa[V];
         for (int v = 0; v < V; ++v) wa[v] = load_w<KIND>(row + v * kVecBytes);
         for (int r = 0; r < ROWS; ++r) {
@@ -304,32 +311,35 @@ void tail_column(const Problem& p, int64_t n) {
   }
 }
 
-// Every row of x times tile t (columns [32 t, 32 t + 32)), on the calling thread.
+// Rows [m, M) of x times columns [n0, n0 + 16 V): blocks of kRowsFor rows, then the rest.
+template <Kind KIND, int V, bool STREAM = false>
+void row_blocks(const Problem& q, int64_t n0) {
+  // Row blocking (which rows land in a 1-2 row tile) is mirrored by fd_kernels::f32_linear_two_chains.
+  constexpr int R = kRowsFor<KIND>;
+  int64_t m = 0;
+  for (; m + R <= q.M; m += R) tile<R, KIND, two_chains_for(R), V, STREAM>(q, m, n0);
+  switch (q.M - m) {
+    case 7: tile<7, KIND, two_chains_for(7), V, STREAM>(q, m, n0); break;
+    case 6: tile<6, KIND, two_chains_for(6), V, STREAM>(q, m, n0); break;
+    case 5: tile<5, KIND, two_chains_for(5), V, STREAM>(q, m, n0); break;
+    case 4: tile<4, KIND, two_chains_for(4), V, STREAM>(q, m, n0); break;
+    case 3: tile<3, KIND, two_chains_for(3), V, STREAM>(q, m, n0); break;
+    case 2: tile<2, KIND, two_chains_for(2), V, STREAM>(q, m, n0); break;
+    case 1: tile<1, KIND, two_chains_for(1), V, STREAM>(q, m, n0); break;
+    default: break;
+  }
+}
+
+// Every row of x times tile t (columns [32 t, 32 t + 32)), on the calling thread. A step of a
+// few rows is bound by reading the weights: it takes whole tiles (one pass over each tile's
+// weight stream); more rows take the geometry of the register file (kTileVecs).
 template <Kind KIND>
 void tile_rows(const Problem& q, int64_t t) {
-  const int64_t n_end = (t + 1) * kCols;
-  if (q.M <= 2) {  // whole tiles: a 1-2 row step streams its weights, one pass over each tile
-    if (q.M == 2) tile<2, KIND>(q, 0, t * kCols);
-    if (q.M == 1) tile<1, KIND>(q, 0, t * kCols);
+  if (q.M <= kWholeTileRowsMax) {
+    row_blocks<KIND, 2, true>(q, t * kCols);
     return;
   }
-  for (int64_t n0 = t * kCols; n0 < n_end; n0 += 16 * kTileVecs) {
-    int64_t m = 0;
-    // Row blocking (which rows land in a 1-2 row tile) is mirrored by fd_kernels::f32_linear_two_chains.
-    constexpr int R = kRowsFor<KIND>;
-    constexpr int V = kTileVecs;
-    for (; m + R <= q.M; m += R) tile<R, KIND, two_chains_for(R), V>(q, m, n0);
-    switch (q.M - m) {
-      case 7: tile<7, KIND, two_chains_for(7), V>(q, m, n0); break;
-      case 6: tile<6, KIND, two_chains_for(6), V>(q, m, n0); break;
-      case 5: tile<5, KIND, two_chains_for(5), V>(q, m, n0); break;
-      case 4: tile<4, KIND, two_chains_for(4), V>(q, m, n0); break;
-      case 3: tile<3, KIND, two_chains_for(3), V>(q, m, n0); break;
-      case 2: tile<2, KIND, two_chains_for(2), V>(q, m, n0); break;
-      case 1: tile<1, KIND, two_chains_for(1), V>(q, m, n0); break;
-      default: break;
-    }
-  }
+  for (int64_t n0 = t * kCols; n0 < (t + 1) * kCols; n0 += 16 * kTileVecs) row_blocks<KIND, kTileVecs>(q, n0);
 }
 
 template <Kind KIND>
