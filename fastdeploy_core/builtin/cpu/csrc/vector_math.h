@@ -111,6 +111,20 @@ inline To bitcast(From v) {
 
 #endif
 
+// The even and odd lanes of the 32 lanes a, b (a's first): even = a0 a2 .. a14 b0 .. b14.
+template <class V>
+inline void deinterleave(V a, V b, V* even, V* odd) {
+#if defined(__AVX512F__)
+  *even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  *odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  *even = {__builtin_shufflevector(a.lo, a.hi, 0, 2, 4, 6, 8, 10, 12, 14),
+           __builtin_shufflevector(b.lo, b.hi, 0, 2, 4, 6, 8, 10, 12, 14)};
+  *odd = {__builtin_shufflevector(a.lo, a.hi, 1, 3, 5, 7, 9, 11, 13, 15),
+          __builtin_shufflevector(b.lo, b.hi, 1, 3, 5, 7, 9, 11, 13, 15)};
+#endif
+}
+
 // x in every lane. (f32x16{} + x would cost an add per use: x + 0 is not x for x = -0, so the
 // compiler keeps it, on the same ports as the FMAs.)
 inline f32x16 splat(float x) {
