@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import pytest
 
 from fastdeploy_core.engine.sampling_params import SamplingParams
-from fastdeploy_core.builtin.cpu.kernels import has_avx512_vnni, load_kernels
+from fastdeploy_core.builtin.cpu.kernels import has_int8_dot, load_kernels
 from tests.engine.test_engine_tiny import PROMPTS, _save_tiny, greedy, make_core, run, tokens
 
 pytest.importorskip("transformers")
@@ -56,7 +56,7 @@ def _all(core, params_for) -> dict:
 def test_plain_greedy_batches_take_the_greedy_head_with_the_same_tokens(tiny_path, monkeypatch):
     core = make_core(tiny_path)
     head = core.runner.model.lm_head
-    if load_kernels() is not None and has_avx512_vnni():
+    if load_kernels() is not None and has_int8_dot():
         assert head.greedy_state is not None, "the cpu ops must prepare the greedy head's screen after loading"
     fast = Calls(core.runner.model, monkeypatch)
     got = _all(core, lambda i: greedy())
@@ -93,7 +93,7 @@ def test_default_model_greedy_head_matches_the_logits_path(monkeypatch):
 
     llm = LLM(max_model_len=512, num_gpu_blocks_override=48, max_num_seqs=8)
     model = llm.engine.core.runner.model
-    if has_avx512_vnni():
+    if has_int8_dot():
         assert model.lm_head.greedy_state is not None
     prompts = ["What is the capital of France?", "Name three colours.", "Count to five.", "Why is the sky blue?"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -196,16 +196,11 @@ def choose_kernels_on_any_cpu() -> None:
     _chosen_on_any_cpu = True
 
 
-def has_avx512_vnni() -> bool:
-    """Whether this CPU has AVX-512 VNNI (the kernels are built with ``-march=native``, so then
-    ``fd_int4_linear`` multiplies the int4 VNNI layout with ``vpdpbusd``)."""
-    return "avx512_vnni" in cpu_flags()
-
-
 def has_int8_dot() -> bool:
-    """Whether ``fd_int4_linear`` multiplies the int4 VNNI layout with integer dot products here
-    (``csrc/int8_dot.h``): ``vpdpbusd`` with AVX-512 VNNI, else ``vpmaddubsw`` + ``vpmaddwd`` with
-    AVX2, FMA and F16C."""
+    """Whether the kernels have integer dot products here (``csrc/int8_dot.h``, the kernels being
+    built with ``-march=native``): ``vpdpbusd`` with AVX-512 VNNI, else ``vpmaddubsw`` +
+    ``vpmaddwd`` with AVX2, FMA and F16C. ``fd_int4_linear`` then multiplies the int4 VNNI
+    layout, and ``fd_greedy_head`` screens the LM head in int8."""
     flags = cpu_flags()
     return ("avx512_vnni" in flags and "avx512bw" in flags) or {"avx2", "fma", "f16c"} <= flags
 

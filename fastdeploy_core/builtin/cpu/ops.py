@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 from paddle import _C_ops
 
-from fastdeploy_core.builtin.cpu.kernels import has_avx512_vnni, has_int8_dot, load_kernels
+from fastdeploy_core.builtin.cpu.kernels import has_int8_dot, load_kernels
 from fastdeploy_core.builtin.cpu.layout import (
     PACK_COLUMNS,
     VNNI_CHUNK,
@@ -232,8 +232,8 @@ class CpuOps(CpuQuantOps, ReferenceOps):
     def prepare_greedy_head(self, weight: paddle.Tensor) -> tuple | None:
         """``(screen, meta)`` of ``fd_greedy_head_prepare`` for a packed float32 head, else ``None``.
 
-        The screen is an int8 copy of the head (a quarter of its bytes) read with ``vpdpbusd``,
-        so it needs AVX-512 VNNI; a head with NaN or inf weights keeps the logits path (the
+        The screen is an int8 copy of the head (a quarter of its bytes) read with integer dot
+        products, so it needs AVX-512 VNNI or AVX2 (``has_int8_dot``); a head with NaN or inf weights keeps the logits path (the
         screen's error bound assumes finite weights).
         """
         if (
@@ -241,7 +241,7 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             or weight.ndim != 3
             or weight.dtype != paddle.float32
             or int(weight.shape[1]) > self.greedy_head_max_hidden
-            or not has_avx512_vnni()
+            or not has_int8_dot()
             or not (self._have_kernels or self._ready())
             or not bool(paddle.isfinite(weight).all())
         ):

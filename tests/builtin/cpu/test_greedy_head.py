@@ -23,7 +23,7 @@ import pytest
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.builtin.cpu.layout import pack_column_tiles
 from fastdeploy_core.builtin.cpu.ops import CpuOps
-from fastdeploy_core.builtin.cpu.kernels import has_avx512_vnni
+from fastdeploy_core.builtin.cpu.kernels import has_int8_dot
 from fastdeploy_core.testing.checks import head_with_near_ties
 
 TILES = 37  # an odd number of 32-column tiles
@@ -92,7 +92,7 @@ def test_screen_recomputes_few_tiles(cpu_kernels):
     packed = pack_column_tiles(paddle.to_tensor(w))
     tokens, tiles = greedy(cpu_kernels, x, packed, cpu_kernels.fd_greedy_head_prepare(packed))
     assert tokens.tolist() == full_path(cpu_kernels, x, packed).tolist()
-    if has_avx512_vnni():
+    if has_int8_dot():
         assert tiles.max() <= 3, tiles
 
 
@@ -124,7 +124,7 @@ def test_flat_head_falls_back_to_the_whole_row(cpu_kernels):
     packed = pack_column_tiles(paddle.to_tensor(w))
     tokens, tiles = greedy(cpu_kernels, x, packed, cpu_kernels.fd_greedy_head_prepare(packed))
     assert tokens.tolist() == full_path(cpu_kernels, x, packed).tolist()
-    if has_avx512_vnni():
+    if has_int8_dot():
         assert tiles.tolist() == [TILES] * 3
 
 
@@ -141,7 +141,7 @@ def test_cpu_ops_greedy_lm_head_is_its_linear_and_argmax(cpu_kernels):
     w = head_with_ties(np.random.default_rng(3), x, 70)
     packed = ops.prepare_linear_weight(paddle.to_tensor(w))
     prepared = ops.prepare_greedy_head(packed)
-    if has_avx512_vnni():
+    if has_int8_dot():
         assert prepared is not None
     hidden = paddle.to_tensor(x)
     want = ops.argmax_rows(ops.linear(hidden, packed))

@@ -51,8 +51,9 @@
 //    A row recomputes all its tiles (same loop) when its hidden state is not finite, when
 //    |x|_2 max_i |w_i|_2 could overflow float32 (then NaN / inf could appear), or when more
 //    than half of its tiles are candidates (a flat distribution: the rest costs less than 2x).
-// Without AVX-512 VNNI every row takes the last path (correct, not faster; the cpu ops do not
-// prepare a screen there).
+// The screen's integer products are int8_dot.h's dot_u8: vpdpbusd with AVX-512 VNNI, or with AVX2
+// vpmaddubsw over |x| and the codes signed by x (the same integers). Without either every row
+// takes the last path (correct, not faster; the cpu ops do not prepare a screen there).
 
 #include <immintrin.h>
 
@@ -64,6 +65,7 @@
 #include <vector>
 
 #include "f32_tiles.h"
+#include "int8_dot.h"
 #include "paddle/extension.h"
 #include "thread_pool.h"
 #include "vector_math.h"
@@ -196,13 +198,14 @@ struct ScreenJob {
   int64_t per_item;      // tiles per work item
 };
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool kHaveVnni = true;
+#if defined(FD_INT8_DOT)
+using namespace fd_int8_dot;
+constexpr bool kHaveInt8Dot = true;
 
-inline __m512i broadcast4(const int8_t* p) {
+inline I32 broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+  return set1_i(v);
 }
 
 // ROWS screened rows (from r0) against tile t: the int8 dot products, then a_i +- E_i.
@@ -210,19 +213,19 @@ template <int ROWS>
 void screen_tile(const ScreenJob& j, int64_t r0, int64_t t) {
   const uint8_t* tile = j.codes + t * j.Kc * kChunkBytes;
   const int64_t Kp = j.Kc * 4;
-  __m512i acc[ROWS][2], acc_out[ROWS][2][2];
+  I32 acc[ROWS][2], acc_out[ROWS][2][2];
   for (int r = 0; r < ROWS; ++r)
-    for (int h = 0; h < 2; ++h) acc[r][h] = acc_out[r][0][h] = acc_out[r][1][h] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) acc[r][h] = acc_out[r][0][h] = acc_out[r][1][h] = zero_i();
   const uint8_t* w = tile;
   for (int64_t c = 0; c < j.Kc; ++c, w += kChunkBytes) {
     // One row streams the weights (batch-1 decode is bound by memory): ask 4 KB ahead, as the int4 VNNI loop.
     _mm_prefetch(reinterpret_cast<const char*>(w + 4096), _MM_HINT_NTA);
     _mm_prefetch(reinterpret_cast<const char*>(w + 4096 + 64), _MM_HINT_NTA);
-    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
+    const I32 w0 = load_i(w), w1 = load_i(w + 64);
     for (int r = 0; r < ROWS; ++r) {
-      const __m512i x = broadcast4(j.main + (r0 + r) * Kp + 4 * c);
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, x);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, x);
+      const I32 x = broadcast4(j.main + (r0 + r) * Kp + 4 * c);
+      acc[r][0] = dot_u8(acc[r][0], w0, x);
+      acc[r][1] = dot_u8(acc[r][1], w1, x);
     }
   }
   // The outlier codes, only over the chunks holding them (the tile's codes are in L1 by now);
@@ -231,36 +234,38 @@ void screen_tile(const ScreenJob& j, int64_t r0, int64_t t) {
     const RowPlan& p = j.plan[r0 + r];
     for (int i = 0; i < p.num_chunks; ++i) {
       const int64_t c = p.chunks[i];
-      const __m512i w0 = _mm512_loadu_si512(tile + c * kChunkBytes), w1 = _mm512_loadu_si512(tile + c * kChunkBytes + 64);
-      const __m512i x = broadcast4(j.out + (r0 + r) * Kp + 4 * c);
-      acc_out[r][i & 1][0] = _mm512_dpbusd_epi32(acc_out[r][i & 1][0], w0, x);
-      acc_out[r][i & 1][1] = _mm512_dpbusd_epi32(acc_out[r][i & 1][1], w1, x);
+      const I32 w0 = load_i(tile + c * kChunkBytes), w1 = load_i(tile + c * kChunkBytes + 64);
+      const I32 x = broadcast4(j.out + (r0 + r) * Kp + 4 * c);
+      acc_out[r][i & 1][0] = dot_u8(acc_out[r][i & 1][0], w0, x);
+      acc_out[r][i & 1][1] = dot_u8(acc_out[r][i & 1][1], w1, x);
     }
   }
   const float* meta = j.meta + t * kMetaRows * kCols;
-  const __m512 margin = _mm512_set1_ps(1.f / 65536), c0 = _mm512_set1_ps(j.C);
+  const F32 margin = set1_f(1.f / 65536), c0 = set1_f(j.C);
   for (int r = 0; r < ROWS; ++r) {
     const RowPlan& p = j.plan[r0 + r];
-    // The codes were stored as q + 128: sum (q + 128) x = sum q x + 128 sum x.
-    const __m512i fix_main = _mm512_set1_epi32(128 * p.sum_main), fix_out = _mm512_set1_epi32(128 * p.sum_out);
-    const __m512 sm = _mm512_set1_ps(p.sm), so = _mm512_set1_ps(p.so);
-    __m512 up = _mm512_set1_ps(-INFINITY), down = up;
+    // The codes were stored as q + 128: sum (q + 128) x = sum q x + 128 sum x (dot_u8 gives the
+    // first sum, or with kDotU8Centred the second).
+    const I32 fix_main = set1_i(kDotU8Centred ? 0 : 128 * p.sum_main);
+    const I32 fix_out = set1_i(kDotU8Centred ? 0 : 128 * p.sum_out);
+    const F32 sm = set1_f(p.sm), so = set1_f(p.so);
+    F32 up = set1_f(-INFINITY), down = up;
     for (int h = 0; h < 2; ++h) {
-      const __m512 s = _mm512_loadu_ps(meta + 16 * h), d2 = _mm512_loadu_ps(meta + kCols + 16 * h),
-                   w2 = _mm512_loadu_ps(meta + 2 * kCols + 16 * h);
-      const __m512 part_main = _mm512_mul_ps(sm, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][h], fix_main)));
-      const __m512 part_out = _mm512_mul_ps(
-          so, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(acc_out[r][0][h], acc_out[r][1][h]), fix_out)));
-      const __m512 a = _mm512_mul_ps(_mm512_add_ps(part_main, part_out), s);
+      const F32 s = load_f(meta + 16 * h), d2 = load_f(meta + kCols + 16 * h),
+                   w2 = load_f(meta + 2 * kCols + 16 * h);
+      const F32 part_main = mul_f(sm, to_f(sub_i(acc[r][h], fix_main)));
+      const F32 part_out = mul_f(
+          so, to_f(sub_i(add_i(acc_out[r][0][h], acc_out[r][1][h]), fix_out)));
+      const F32 a = mul_f(add_f(part_main, part_out), s);
       // The margin scales with the parts, not their sum: they may cancel.
-      const __m512 size = _mm512_mul_ps(_mm512_add_ps(_mm512_abs_ps(part_main), _mm512_abs_ps(part_out)), s);
-      __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(p.A), d2, _mm512_fmadd_ps(_mm512_set1_ps(p.B), w2, c0));
-      e = _mm512_fmadd_ps(_mm512_add_ps(e, size), margin, e);
-      up = _mm512_max_ps(up, _mm512_add_ps(a, e));
-      down = _mm512_max_ps(down, _mm512_sub_ps(a, e));
+      const F32 size = mul_f(add_f(abs_f(part_main), abs_f(part_out)), s);
+      F32 e = fmadd(set1_f(p.A), d2, fmadd(set1_f(p.B), w2, c0));
+      e = fmadd(add_f(e, size), margin, e);
+      up = max_f(up, add_f(a, e));
+      down = max_f(down, sub_f(a, e));
     }
-    j.upper[(r0 + r) * j.T + t] = _mm512_reduce_max_ps(up);
-    j.lower[(r0 + r) * j.T + t] = _mm512_reduce_max_ps(down);
+    j.upper[(r0 + r) * j.T + t] = reduce_max_f(up);
+    j.lower[(r0 + r) * j.T + t] = reduce_max_f(down);
   }
 }
 
@@ -278,7 +283,7 @@ void screen_item(void* ctx, int64_t item) {
   }
 }
 #else
-constexpr bool kHaveVnni = false;
+constexpr bool kHaveInt8Dot = false;
 void screen_item(void*, int64_t) {}
 #endif
 
@@ -415,7 +420,7 @@ std::vector<paddle::Tensor> GreedyHead(const paddle::Tensor& hidden_in, const pa
   std::vector<int8_t> main_codes(B * Kc * 4), out_codes(B * Kc * 4);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t s = screened.size();
-    plan[b] = kHaveVnni ? plan_row(x + b * K, K, Kc, w2_max, main_codes.data() + s * Kc * 4, out_codes.data() + s * Kc * 4) : RowPlan{};
+    plan[b] = kHaveInt8Dot ? plan_row(x + b * K, K, Kc, w2_max, main_codes.data() + s * Kc * 4, out_codes.data() + s * Kc * 4) : RowPlan{};
     if (plan[b].screened) {
       screen_index[b] = s;
       screened.push_back(plan[b]);

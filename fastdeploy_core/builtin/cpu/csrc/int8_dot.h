@@ -48,6 +48,10 @@ inline I32 dpbusd(I32 acc, I32 u8, I32 s8) { return _mm512_dpbusd_epi32(acc, u8,
 // Short sums (see dot16 below): vpdpbusd accumulates in int32 directly.
 inline I32 dot16(I32 acc, I32 u8, I32 s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
 inline I32 widen16(I32 acc) { return acc; }
+// acc + sum over each lane's 4 byte pairs of u8 x s8, for any u8 (see the AVX2 spelling).
+inline I32 dot_u8(I32 acc, I32 u8, I32 s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+// Whether dot_u8 sums (u8 - 128) x s8 instead of u8 x s8.
+constexpr bool kDotU8Centred = false;
 inline int32_t reduce_add_i(I32 a) { return _mm512_reduce_add_epi32(a); }
 
 inline F32 zero_f() { return _mm512_setzero_ps(); }
@@ -56,6 +60,7 @@ inline F32 load_f(const float* p) { return _mm512_loadu_ps(p); }
 inline void store_f(float* p, F32 v) { _mm512_storeu_ps(p, v); }
 inline F32 load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline F32 add_f(F32 a, F32 b) { return _mm512_add_ps(a, b); }
+inline F32 sub_f(F32 a, F32 b) { return _mm512_sub_ps(a, b); }
 inline F32 mul_f(F32 a, F32 b) { return _mm512_mul_ps(a, b); }
 inline F32 fmadd(F32 a, F32 b, F32 c) { return _mm512_fmadd_ps(a, b, c); }
 inline F32 abs_f(F32 a) { return _mm512_abs_ps(a); }
@@ -110,6 +115,19 @@ inline I32 widen16(I32 acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   return {_mm256_madd_epi16(acc.lo, ones), _mm256_madd_epi16(acc.hi, ones)};
 }
+// acc + sum over each lane's 4 byte pairs of (u8 - 128) x s8, for u8 in [1, 255] and s8 in
+// [-127, 127] (the caller adds 128 sum s8 if it wants u8 x s8: kDotU8Centred). vpmaddubsw needs
+// one unsigned operand and saturates int16 pair sums: u8 x s8 can reach 2 * 255 * 127. So the
+// products are taken as |s8| x sign(s8)(u8 - 128), whose pair sums stay within 2 * 127 * 127.
+inline I32 dot_u8(I32 acc, I32 u8, I32 s8) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  auto half = [&](__m256i a, __m256i u, __m256i s) __attribute__((always_inline)) {
+    const __m256i q = _mm256_sign_epi8(_mm256_xor_si256(u, flip), s);
+    return _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(s), q), ones));
+  };
+  return {half(acc.lo, u8.lo, s8.lo), half(acc.hi, u8.hi, s8.hi)};
+}
+constexpr bool kDotU8Centred = true;
 inline int32_t reduce_add_i(I32 a) {
   const __m256i s = _mm256_add_epi32(a.lo, a.hi);
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
@@ -130,6 +148,7 @@ inline F32 load_half(const uint16_t* p) {
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
 inline F32 add_f(F32 a, F32 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline F32 sub_f(F32 a, F32 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline F32 mul_f(F32 a, F32 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline F32 fmadd(F32 a, F32 b, F32 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline F32 abs_f(F32 a) {
