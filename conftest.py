@@ -1,8 +1,8 @@
 """Test-run set-up and reporting shared by the core's tests and the plugins' tests."""
 
-# The cpu kernels are tested on every CPU, also one without AVX-512, where the engine would not
-# choose them by itself (fastdeploy_core/builtin/cpu/kernels.py says why); in the test process
-# only: the servers and workers tests start choose as a user's would.
+# The cpu kernels are tested on every CPU, also one with neither AVX-512 nor AVX2 + FMA, where the
+# engine would not choose them by itself (fastdeploy_core/builtin/cpu/kernels.py says why); in
+# the test process only: the servers and workers tests start choose as a user's would.
 from fastdeploy_core.builtin.cpu.kernels import choose_kernels_on_any_cpu
 
 choose_kernels_on_any_cpu()

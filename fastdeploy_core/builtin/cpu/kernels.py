@@ -202,7 +202,7 @@ def has_int8_dot() -> bool:
     ``vpmaddwd`` with AVX2, FMA and F16C. ``fd_int4_linear`` then multiplies the int4 VNNI
     layout, and ``fd_greedy_head`` screens the LM head in int8."""
     flags = cpu_flags()
-    return ("avx512_vnni" in flags and "avx512bw" in flags) or {"avx2", "fma", "f16c"} <= flags
+    return ("avx512_vnni" in flags and "avx512bw" in flags) or (host_cpu.has_avx2_fma() and "f16c" in flags)
 
 
 def has_avx512_bf16() -> bool:

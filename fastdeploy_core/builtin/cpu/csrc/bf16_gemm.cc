@@ -101,8 +101,6 @@ struct Problem {
   int64_t M, K2, N;
 };
 
-inline f32x16 bits_as_f32(u32x16 v) { return fd_kernels::bitcast<f32x16>(v); }
-
 // The widen path: ROWS rows from m times tile t.
 template <int ROWS>
 void widen_tile(const Problem& p, int64_t m, int64_t t) {
@@ -115,8 +113,9 @@ void widen_tile(const Problem& p, int64_t m, int64_t t) {
     if (ROWS <= 2) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes + 64), _MM_HINT_T0);
     const u32x16 v0 = fd_kernels::load<u32x16>(reinterpret_cast<const uint32_t*>(src));
     const u32x16 v1 = fd_kernels::load<u32x16>(reinterpret_cast<const uint32_t*>(src + 64));
-    const f32x16 we0 = bits_as_f32(v0 << 16), wo0 = bits_as_f32(v0 & 0xFFFF0000u);
-    const f32x16 we1 = bits_as_f32(v1 << 16), wo1 = bits_as_f32(v1 & 0xFFFF0000u);
+    using fd_kernels::bitcast;
+    const f32x16 we0 = bitcast<f32x16>(v0 << 16u), wo0 = bitcast<f32x16>(v0 & 0xFFFF0000u);
+    const f32x16 we1 = bitcast<f32x16>(v1 << 16u), wo1 = bitcast<f32x16>(v1 & 0xFFFF0000u);
     for (int r = 0; r < ROWS; ++r) {
       const uint32_t pair = p.xb[(m + r) * p.K2 + j];
       float xe, xo;

@@ -5,9 +5,10 @@
 //   AVX2 (+ FMA, F16C): a pair of ymm registers; dpbusd is vpmaddubsw (u8 x s8 -> the sums of
 //     adjacent pairs in int16) then vpmaddwd with ones (the int16 pairs -> int32) then an add.
 //
-// Both give the same integers: the kernels only multiply codes in [0, 15] by int8 values, so a
-// vpmaddubsw pair sum is at most 2 * 15 * 128 = 3840 and never saturates; the float operations
-// are the same lane by lane. FD_INT8_DOT is defined when one of the two is available.
+// Both give the same integers: dpbusd / dot16 multiply codes in [0, 15] by int8 values, so a
+// vpmaddubsw pair sum is at most 2 * 15 * 128 = 3840 and never saturates; dot_u8 takes full
+// bytes another way (below); the float operations are the same lane by lane. FD_INT8_DOT is
+// defined when one of the two is available (kernels.has_int8_dot mirrors the condition).
 #pragma once
 
 #include <immintrin.h>
@@ -40,9 +41,6 @@ inline I32 max_i(I32 a, I32 b) { return _mm512_max_epi32(a, b); }
 inline I32 shl_i(I32 a, int n) { return _mm512_slli_epi32(a, n); }
 inline I32 sar_i(I32 a, int n) { return _mm512_srai_epi32(a, n); }
 inline I32 shr_i(I32 a, int n) { return _mm512_srli_epi32(a, n); }
-// Each byte's high nibble moved to its low one (the bits that cross bytes are masked off by the
-// caller, so the shift width does not matter).
-inline I32 shr4_bytes(I32 a) { return _mm512_srli_epi16(a, 4); }
 // acc + the sums of 4 products u8 x s8 per int32 lane.
 inline I32 dpbusd(I32 acc, I32 u8, I32 s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
 // Short sums (see dot16 below): vpdpbusd accumulates in int32 directly.
@@ -96,7 +94,6 @@ inline I32 max_i(I32 a, I32 b) { return {_mm256_max_epi32(a.lo, b.lo), _mm256_ma
 inline I32 shl_i(I32 a, int n) { return {_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
 inline I32 sar_i(I32 a, int n) { return {_mm256_srai_epi32(a.lo, n), _mm256_srai_epi32(a.hi, n)}; }
 inline I32 shr_i(I32 a, int n) { return {_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)}; }
-inline I32 shr4_bytes(I32 a) { return {_mm256_srli_epi16(a.lo, 4), _mm256_srli_epi16(a.hi, 4)}; }
 inline I32 dpbusd(I32 acc, I32 u8, I32 s8) {
   const __m256i ones = _mm256_set1_epi16(1);
   return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(u8.lo, s8.lo), ones)),

@@ -19,7 +19,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 namespace fd_kernels {
 

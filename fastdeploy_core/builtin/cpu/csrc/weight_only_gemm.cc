@@ -66,7 +66,7 @@ using fd_kernels::select;
 enum class Kind { kInt8, kInt4, kFp8, kF32 };
 
 constexpr int64_t kCols = fd_kernels::kTileColumns;  // output columns per tile: two vectors
-constexpr int64_t kPrefetchRows = 16;  // weight rows a 1-2 row tile asks for ahead of its loads
+constexpr int64_t kPrefetchRows = 16;  // weight rows a few-row tile asks for ahead of its loads
 // A tile's geometry: rows of x per tile and 16-column vectors per row, sized to the register file.
 #if defined(__AVX512F__)
 // 32 zmm registers: whole 32-column tiles (2 vectors per row), 4 rows (8 for float32 weights: no
@@ -79,8 +79,8 @@ constexpr int kRowsFor = KIND == Kind::kF32 ? 8 : 4;
 // float32 (12 accumulators, the weights as memory operands; the sums are the results) and 3 for
 // the quantized kinds (6 accumulators, 6 running totals, the widened weights). fd_f32_linear of
 // [M, 576] x [576, 1536] on an AVX2 EPYC 7002 (Zen 2, 2 threads): whole tiles of 8 rows 68-72
-// GFLOP/s at M = 16-512, half tiles of 6 rows 76-93 (Paddle's matmul: 76-88). Steps of 1-2
-// rows still take whole tiles (gemm below): one pass over each tile's weight stream.
+// GFLOP/s at M = 16-512, half tiles of 6 rows 76-93 (Paddle's matmul: 76-88). Steps of few
+// rows still take whole tiles (kWholeTileRowsMax, tile_rows): one pass over each tile's weights.
 constexpr int kTileVecs = 1;
 template <Kind KIND>
 constexpr int kRowsFor = KIND == Kind::kF32 ? 6 : 3;
@@ -88,9 +88,14 @@ constexpr int kRowsFor = KIND == Kind::kF32 ? 6 : 3;
 // Steps of up to this many rows take whole tiles whatever kTileVecs says.
 constexpr int64_t kWholeTileRowsMax = 8;
 
-inline f32x16 load_f32(const float* p) { return fd_kernels::load16(p); }
+using fd_kernels::load16;
+using fd_kernels::store16;
 
-inline void store_f32(float* p, f32x16 v) { fd_kernels::store16(p, v); }
+// Ask for the ``bytes`` weight bytes kPrefetchRows rows below ``row``.
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * row_bytes + b), _MM_HINT_T0);
+}
 
 // Byte -> int32 widening uses intrinsics: GCC lowers __builtin_convertvector of 16 bytes to
 // 16 ints as scalar inserts, which made the int8 loop ~10x slower.
@@ -153,7 +158,7 @@ inline f32x16 load_w<Kind::kInt8>(const uint8_t* row) { return widen_i8(row); }
 template <>
 inline f32x16 load_w<Kind::kFp8>(const uint8_t* row) { return widen_fp8(row); }
 template <>
-inline f32x16 load_w<Kind::kF32>(const uint8_t* row) { return load_f32(reinterpret_cast<const float*>(row)); }
+inline f32x16 load_w<Kind::kF32>(const uint8_t* row) { return load16(reinterpret_cast<const float*>(row)); }
 
 // Bytes per weight element for the byte-addressed kinds.
 template <Kind KIND>
@@ -226,8 +231,7 @@ void tile(const Problem& p, int64_t m, int64_t n0) {
         for (; k + 1 < k_end; k += 2) {
           const uint8_t* row = w + k * p.row_bytes;
           // A batch-1/2 tile streams its weights once: ask for them kPrefetchRows rows ahead.
-          for (int64_t b = 0; b < 2 * V * kVecBytes; b += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.row_bytes + b), _MM_HINT_T0);
+          prefetch_ahead(row, p.row_bytes, 2 * V * kVecBytes);
           f32x16 wa[V], wb[V];
           for (int v = 0; v < V; ++v) {
             wa[v] = load_w<KIND>(row + v * kVecBytes);
@@ -244,9 +248,7 @@ void tile(const Problem& p, int64_t m, int64_t n0) {
       }
       for (; k < k_end; ++k) {
         const uint8_t* row = w + k * p.row_bytes;
-        if constexpr (STREAM && !TWO_CHAINS)
-          for (int64_t b = 0; b < V * kVecBytes; b += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.row_bytes + b), _MM_HINT_T0);
+        if constexpr (STREAM && !TWO_CHAINS) prefetch_ahead(row, p.row_bytes, V * kVecBytes);
         f32x16 wa[V];
         for (int v = 0; v < V; ++v) wa[v] = load_w<KIND>(row + v * kVecBytes);
         for (int r = 0; r < ROWS; ++r) {
@@ -263,23 +265,23 @@ void tile(const Problem& p, int64_t m, int64_t n0) {
       // One group (gemm's float32 callers pass G = 1): the sums are the results. Storing them
       // here keeps ``total`` out of the registers the k loop needs.
       for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < V; ++v) store_f32(p.y + (m + r) * N + n0 + 16 * v, acc[r][v]);
+        for (int v = 0; v < V; ++v) store16(p.y + (m + r) * N + n0 + 16 * v, acc[r][v]);
       return;
     } else {
       for (int v = 0; v < V; ++v) {
-        const f32x16 sv = load_f32(p.scale + g * N + n0 + 16 * v);
+        const f32x16 sv = load16(p.scale + g * N + n0 + 16 * v);
         for (int r = 0; r < ROWS; ++r) total[r][v] += acc[r][v] * sv;
       }
     }
     if (p.offset != nullptr) {
       for (int v = 0; v < V; ++v) {
-        const f32x16 ov = load_f32(p.offset + g * N + n0 + 16 * v);
+        const f32x16 ov = load16(p.offset + g * N + n0 + 16 * v);
         for (int r = 0; r < ROWS; ++r) total[r][v] += p.xsum[(m + r) * p.G + g] * ov;
       }
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int v = 0; v < V; ++v) store_f32(p.y + (m + r) * N + n0 + 16 * v, total[r][v]);
+    for (int v = 0; v < V; ++v) store16(p.y + (m + r) * N + n0 + 16 * v, total[r][v]);
 }
 
 // Columns past the last full tile (N % 32), one at a time.
@@ -458,8 +460,9 @@ __attribute__((always_inline)) inline void load_chunk(const uint8_t* src, I32 (&
   const I32 w0 = load_i(src), w1 = load_i(src + 64);
   codes[0] = and_i(w0, mask);
   codes[1] = and_i(w1, mask);
-  codes[2] = and_i(shr4_bytes(w0), mask);
-  codes[3] = and_i(shr4_bytes(w1), mask);
+  // Each byte's high nibble to its low one (the bits a shift moves across bytes are masked off).
+  codes[2] = and_i(shr_i(w0, 4), mask);
+  codes[3] = and_i(shr_i(w1, 4), mask);
 }
 
 // acc += a chunk's codes times 8 int8 activations at x (k 0..3 broadcast against codes[0..1],
