@@ -139,6 +139,7 @@ class DraftModelProposer(Proposer):
         self.num_blocks = max(per_sequence, min(most, context.num_blocks or most))
         self.runner = self._load(draft_engine_args(config, context, self.num_blocks))
         self._check_vocabulary()
+        self.shares_target_head = self._share_target_head()
         self.block_size = self.runner.block_size
         self.max_num_batched_tokens = self.runner.max_num_batched_tokens
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() takes block 0 first
@@ -197,6 +198,34 @@ class DraftModelProposer(Proposer):
                 "trained with the target's tokenizer",
                 param="speculative_config.model",
             )
+
+    def _share_target_head(self) -> bool:
+        """A self-draft takes the target's float32 LM head instead of its own quantized copy.
+
+        The draft's guesses are argmaxes: the target's head answers them through the device's
+        greedy head (``greedy_lm_head``: an int8 screen, then exact float32 logits for the few
+        tiles that can hold the maximum), which reads as many bytes as a quantized head's int8
+        codes but skips computing and writing most logits, and its argmax is the float32 one.
+        So it is both cheaper per draft step and a closer copy of the target (AVX2 EPYC 7002,
+        2026-12-03: 1.8 -> ~1.1 ms per one-row draft step), and the draft keeps no head of its
+        own. A draft of another checkpoint, a target without a float32 head (``--dtype
+        bfloat16``) or a head split over tensor-parallel ranks keeps the draft's own head."""
+        from fastdeploy_core.layers.embedding import LMHead, UnquantizedLMHeadMethod
+
+        target = getattr(self.context.runner, "model", None)
+        head = getattr(target, "lm_head", None)
+        draft = self.runner.model
+        if (
+            self.config.model is not None
+            or not isinstance(head, LMHead)
+            or not isinstance(getattr(draft, "lm_head", None), LMHead)
+            or not isinstance(head.quant_method, UnquantizedLMHeadMethod)
+            or head.greedy_state is None
+            or head.tp_mode is not None
+        ):
+            return False
+        draft.lm_head = head
+        return True
 
     @staticmethod
     def _vocabulary(source) -> dict[str, int] | None:
@@ -355,6 +384,7 @@ class DraftModelProposer(Proposer):
             "quantization": self.config.quantization,
             "kv_cache_blocks": self.num_blocks,
             "graph_capture": self.runner.describe()["graph_capture"],
+            "lm_head": "the target's (float32, greedy head)" if self.shares_target_head else "its own",
         }
         return info
 

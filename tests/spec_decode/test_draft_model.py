@@ -13,6 +13,8 @@ import shutil
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
+import numpy as np
+import paddle
 import pytest
 
 from fastdeploy_core.config import EngineArgs
@@ -89,6 +91,33 @@ def test_a_separate_small_draft_gives_the_tokens_of_speculation_off(models, refe
     stats = core.get_stats()
     assert stats["spec_decode_num_draft_tokens_total"] > 0, stats
     assert core.config_info()["speculative_config"]["draft"]["model"] == models["small"]
+
+
+def test_a_self_draft_guesses_with_the_targets_float32_head(models, reference):
+    """A self-draft's guesses are argmaxes of the target's own float32 head (the device's greedy
+    head where it has one) over the draft's hidden states, not of a quantized copy of it; a
+    separate draft keeps its own head."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "quantization": "wint4"}
+    core = make_core(models["target"], spec)
+    target_head, draft_model = core.runner.model.lm_head, core.proposer.runner.model
+    shared = target_head.greedy_state is not None  # a cpu with int8 dot products (AVX2 or VNNI)
+    assert core.proposer.shares_target_head is shared
+    assert (draft_model.lm_head is target_head) is shared
+    assert core.config_info()["speculative_config"]["draft"]["lm_head"] == (
+        "the target's (float32, greedy head)" if shared else "its own"
+    )
+    if shared:  # the guesses are the target head's argmax of the draft's hidden states
+        hidden = paddle.to_tensor(np.random.default_rng(0).standard_normal((3, 64)).astype("float32"))
+        np.testing.assert_array_equal(
+            draft_model.compute_greedy_tokens(hidden),
+            np.argmax(core.runner.model.compute_logits(hidden).numpy(), axis=1),
+        )
+    assert run(core, batch()) == reference({})
+    assert core.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
+
+    separate = make_core(models["target"], {"method": "draft_model", "num_speculative_tokens": 3, "model": models["small"]})
+    assert separate.proposer.shares_target_head is False
+    assert separate.proposer.runner.model.lm_head is not separate.runner.model.lm_head
 
 
 def test_a_quantized_separate_draft_runs(models, reference):

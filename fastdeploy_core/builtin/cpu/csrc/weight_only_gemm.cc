@@ -671,7 +671,9 @@ void vnni32_tile(const Vnni32& p, int64_t m, int64_t t) {
   const uint8_t* w = p.w + t * (p.K / kVnniChunk) * kVnniTileBytes;
   const int8_t* xb = p.panel + m * 64;
   const float* mb = p.meta + m * 4;
-  constexpr bool kSplit = ROWS == 1;
+  // One row: two chains per vector against vpdpbusd's latency (AVX-512). AVX2's short sums
+  // chain through a 1-cycle add, and the second set of accumulators would not fit its registers.
+  constexpr bool kSplit = ROWS == 1 && FD_INT8_DOT == 512;
   F32 total[ROWS][2];
   for (int r = 0; r < ROWS; ++r) total[r][0] = total[r][1] = zero_f();
   int64_t at = t * p.s_tile, left = 0;
