@@ -12,6 +12,8 @@ and what the body is; what they share lives here, once:
 * :func:`sign` / :func:`verify` tag a message made of several parts (an HTTP body and its
   timestamp, say), each part length-prefixed so that moving bytes from one part to the next
   changes the tag.
+* :func:`is_stale` bounds how long a timestamped tag stays valid (:data:`MAX_SKEW_S`), for the
+  router's registrations and pairings and the prefill/decode channel alike.
 * :func:`derive_key` turns a shared secret (a flag, an environment variable or an API key) into
   a key for one purpose, so one secret never keys two channels the same way.
 
@@ -24,6 +26,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +38,9 @@ SECRET_BYTES = 32
 MAX_LOGGED_PEERS = 64
 
 SEQ_BYTES = 8
+
+#: Seconds a timestamped tag stays valid, clock skew between hosts included.
+MAX_SKEW_S = 60.0
 
 
 def new_secret() -> bytes:
@@ -61,6 +67,12 @@ def sign(key: bytes, label: bytes, *parts: bytes) -> bytes:
 def verify(key: bytes, label: bytes, tag: bytes, *parts: bytes) -> bool:
     """Whether ``tag`` is :func:`sign` of the same label and parts (constant-time compare)."""
     return hmac.compare_digest(tag, sign(key, label, *parts))
+
+
+def is_stale(when: float, now: float | None = None) -> bool:
+    """Whether a tag stamped ``when`` (seconds since the epoch) is more than :data:`MAX_SKEW_S`
+    away from ``now`` (this host's clock by default), in either direction."""
+    return abs((time.time() if now is None else now) - when) > MAX_SKEW_S
 
 
 class FrameSealer:

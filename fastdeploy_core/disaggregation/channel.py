@@ -6,7 +6,7 @@ frames ``[MAGIC, stamp, tag, header, *payload]`` over ZMQ (TCP): ``header`` is J
 touch the socket), ``tag`` HMAC-SHA256 over the direction's label, the stamp, the header and
 every payload frame (:func:`fastdeploy_core.sealing.sign`), keyed from the router's shared secret
 for this purpose only (:func:`channel_key`). A frame set whose tag does not verify, or whose
-stamp is more than :data:`MAX_SKEW_S` away, is dropped before its header is parsed; the two
+stamp is more than :data:`~fastdeploy_core.sealing.MAX_SKEW_S` away, is dropped before its header is parsed; the two
 directions have different labels, so a message cannot be reflected to its sender. Replays of
 fresh messages are refused by what they mean: a prefill instance takes each transfer id once,
 a decode instance takes each transfer's messages in their sequence once.
@@ -19,14 +19,13 @@ import logging
 import time
 from typing import Any
 
-from fastdeploy_core.sealing import MAX_LOGGED_PEERS, derive_key, sign, verify
+from fastdeploy_core.sealing import MAX_LOGGED_PEERS, derive_key, is_stale, sign, verify
 
 logger = logging.getLogger("fastdeploy.pd_channel")
 
 MAGIC = b"fdpd/1"
 TO_PREFILL = b"fastdeploy-pd/1 decode->prefill"
 TO_DECODE = b"fastdeploy-pd/1 prefill->decode"
-MAX_SKEW_S = 60.0
 
 
 def channel_key(secret: str) -> bytes:
@@ -69,7 +68,7 @@ class Channel:
             when = float(stamp)
         except ValueError:
             return self._reject(peer, "malformed stamp")
-        if abs(time.time() - when) > MAX_SKEW_S:
+        if is_stale(when):
             return self._reject(peer, "stale message")
         try:
             header = json.loads(body)

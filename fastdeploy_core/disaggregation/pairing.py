@@ -16,14 +16,11 @@ import json
 import time
 from typing import Any
 
-from fastdeploy_core.sealing import derive_key, sign, verify
+from fastdeploy_core.sealing import derive_key, is_stale, sign, verify
 
 PAIRING_LABEL = b"fastdeploy-router-pairing/1"
 PAIRING_HEADER = "X-FD-Disaggregate"
 PAIRING_SIGNATURE_HEADER = "X-FD-Disaggregate-Signature"
-
-#: Seconds a pairing stays valid (clock skew between hosts included).
-MAX_SKEW_S = 60.0
 
 
 def router_key(secret: str) -> bytes:
@@ -48,7 +45,7 @@ def check_pairing(key: bytes, pairing: str, signature: str, request_body: bytes)
         return "malformed pairing signature"
     if not verify(key, PAIRING_LABEL, raw, stamp.encode(), pairing.encode(), request_body):
         return "bad pairing signature"
-    if abs(time.time() - when) > MAX_SKEW_S:
+    if is_stale(when):
         return "stale pairing signature"
     return None
 

@@ -31,10 +31,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdeploy_core.disaggregation.channel import MAX_SKEW_S, TO_DECODE, TO_PREFILL
+from fastdeploy_core.disaggregation.channel import TO_DECODE, TO_PREFILL
 from fastdeploy_core.devices.kv_transport import block_nbytes
 from fastdeploy_core.disaggregation.connector import Connector
 from fastdeploy_core.errors import KVTransferError
+from fastdeploy_core.sealing import MAX_SKEW_S
 from fastdeploy_core.scheduler.base import error_dict as error_payload
 
 logger = logging.getLogger("fastdeploy.pd_prefill")

@@ -9,7 +9,7 @@ derived from one secret shared by the router and its instances:
   in the ``X-FD-Disaggregate`` header: without the tag, a client could make a decode instance
   connect to any address.
 
-Each tag covers a timestamp, and a tag older than :data:`MAX_SKEW_S` is refused, so a captured
+Each tag covers a timestamp, and a tag older than :data:`~fastdeploy_core.sealing.MAX_SKEW_S` is refused, so a captured
 registration cannot be replayed later. The secret is ``--router-secret``, else env
 ``FD_ROUTER_SECRET``, else derived from the first ``--api-key`` (every instance and the router
 then share it by construction). The key is derived for this one purpose
@@ -31,12 +31,9 @@ from fastdeploy_core.disaggregation.pairing import (  # noqa: F401 - the pairing
     router_key,
 )
 from fastdeploy_core.errors import ConfigError
-from fastdeploy_core.sealing import sign, verify
+from fastdeploy_core.sealing import MAX_SKEW_S, is_stale, sign, verify
 
 ROUTER_SECRET_ENV = "FD_ROUTER_SECRET"
-
-#: Seconds a signed registration or pairing stays valid (clock skew between hosts included).
-MAX_SKEW_S = 60.0
 
 REGISTER_LABEL = b"fastdeploy-router-register/1"
 
@@ -87,6 +84,6 @@ def check_signature(key: bytes, label: bytes, body: bytes, stamp: str | None, si
         return "malformed"
     if not verify(key, label, tag, stamp.encode(), body):
         return "bad signature"
-    if abs((now if now is not None else time.time()) - when) > MAX_SKEW_S:
+    if is_stale(when, now):
         return f"timestamp more than {MAX_SKEW_S:.0f} s away from the router's clock"
     return None

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_core.builtin.cpu.device import CpuDevice
+from fastdeploy_core.sealing import MAX_SKEW_S
 from fastdeploy_core.builtin.cpu.kv_transport import SHM_DIR, ShmKVTransport, TcpKVTransport
 from fastdeploy_core.devices.kv_transport import block_nbytes, cache_signature, host_views
 from fastdeploy_core.disaggregation import channel as channel_mod
@@ -134,7 +135,7 @@ def test_the_channel_opens_only_what_the_other_side_sealed(monkeypatch):
     assert decode.open(tampered, "p") is None
     other = Channel(channel_key("another secret"), TO_DECODE, TO_PREFILL)
     assert decode.open(other.seal({"type": "kv"}), "p") is None
-    past = time.time() - 2 * channel_mod.MAX_SKEW_S
+    past = time.time() - 2 * MAX_SKEW_S
     monkeypatch.setattr(channel_mod.time, "time", lambda: past)
     stale = prefill.seal({"type": "kv"})
     monkeypatch.undo()
