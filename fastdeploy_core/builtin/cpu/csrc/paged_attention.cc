@@ -383,7 +383,15 @@ void pv_rows(const float* p, int64_t mp, int64_t r0, const float* v, const int64
 template <int D16>
 void pv_fixed(const float* p, int64_t m, int64_t mp, const float* v, const int64_t* off, int64_t nk,
               const float* alpha, float* o) {
+#if defined(__AVX512F__)
   constexpr int R = D16 <= 4 ? 4 : 2;  // R x D16 accumulators: at most 16 of the 32 registers
+#else
+  // AVX2: a 16-float vector is two of the 16 ymm registers. 4 rows of a 64-wide head (32
+  // accumulator registers) spilled at every key; one row keeps 8 and takes the value rows as
+  // memory operands (from L1: the tile's rows were just read). Each row's sums are the same
+  // chain either way. 30 layers at 280 keys, 5 query tokens: 4.6 -> 3.2 ms (EPYC 7002).
+  constexpr int R = D16 >= 4 ? 1 : D16 == 2 ? 2 : 4;
+#endif
   int64_t r0 = 0;
   for (; r0 + R <= m; r0 += R) pv_rows<D16, R>(p, mp, r0, v, off, nk, alpha, o);
   for (; r0 < m; ++r0) pv_rows<D16, 1>(p, mp, r0, v, off, nk, alpha, o);
