@@ -4,7 +4,9 @@ to bfloat16, float32 sums; its ``vdpbf16ps`` path and its widening path.
 Both paths sum each output in one fixed order (per pair of k: the odd k, then the even k), so
 each is compared bit for bit with a numpy emulation of that order, on every path this CPU can
 run (the widening path is forced through the op's ``path`` argument, so it runs everywhere; the
-dot path needs AVX-512 BF16). Against the reference formula (``ReferenceOps.bf16_linear``, any
+dot path needs AVX-512 BF16). Without AVX-512 the widening path of a call with more than 4 rows
+widens each tile once and runs fd_f32_linear's loop over a buffer in the same order: the cases
+with 5 or more rows run that, fewer rows the per-block widening. Against the reference formula (``ReferenceOps.bf16_linear``, any
 summation order) the comparison is a float32 tolerance.
 """
 
@@ -85,7 +87,11 @@ def test_pair_layout_round_trips_and_puts_a_columns_k_pair_in_one_lane():
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (2, 576, 96), (3, 128, 64), (8, 64, 960), (9, 96, 64), (17, 1536, 64), (64, 576, 192), (130, 96, 96)])
+@pytest.mark.parametrize(
+    "m,k,n",
+    [(1, 64, 32), (2, 576, 96), (3, 128, 64), (4, 576, 64), (5, 576, 64), (8, 64, 960), (9, 96, 64), (13, 576, 96),
+     (17, 1536, 64), (64, 576, 192), (130, 96, 96)],
+)
 def test_kernel_is_bitwise_its_summation_order_on_each_path(ops, path, m, k, n):
     x, bits = case(np.random.default_rng(m * 1000 + k + n), m, k, n)
     packed = ops.prepare_linear_weight(paddle.to_tensor(bits))

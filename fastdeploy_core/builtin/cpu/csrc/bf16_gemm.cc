@@ -29,6 +29,12 @@
 // Threads (thread_pool.h) claim (panel of 64 rows, one or two column tiles) items; each tile
 // runs the panel's rows in blocks of 8, so rows reuse a tile's weights from cache and a panel's
 // activations stay in L2 across its tiles.
+//
+// Without AVX-512, a call of more than kWidenOnceRows rows takes the widen path another way: each
+// tile's weights are widened once into a float32 buffer [K2 pairs x 2, 32], the odd k of each pair
+// first, and x's rounded values are laid out in the same order, so fd_f32_linear's many-row loop
+// (f32_tiles.h, one chain per output) runs the very same multiply-adds in the same order: the
+// same bits, at float32's speed instead of widening each weight again for every block of rows.
 
 #include <immintrin.h>
 
@@ -38,6 +44,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "f32_tiles.h"
 #include "graph.h"
 #include "paddle/extension.h"
 #include "thread_pool.h"
@@ -183,7 +190,8 @@ template <int ROWS>
 struct Widen {
   // Rows per block: kRows, or 4 without AVX-512 (vector_math.h's register pairs; on an AVX2 EPYC
   // 7002, [M, 576] x [576, 1536]: blocks of 2 rows 676 / 5200 us at M = 16 / 128, of 4 575 /
-  // 4424, of 6 alike; float32's fd_f32_linear 361 / 2326 us).
+  // 4424, of 6 alike; float32's fd_f32_linear 361 / 2326 us: why calls of more rows now widen
+  // each tile once instead, gemm_widened_once).
 #if defined(__AVX512F__)
   static constexpr int kBlock = kRows;
 #else
@@ -220,7 +228,62 @@ void chunk(void* ctx, int64_t c) {
     rows_of_tile<Tile>(*j.p, t, m_begin, m_end);
 }
 
+#if !defined(__AVX512F__)
+// Rows above which the widen path widens each tile once (see the top of the file). [M, 576] x
+// [576, 1536] on an AVX2 EPYC 7002 (2 threads, 2026-12-03, one op call each): M = 5 / 8 alike
+// either way (119 / 168 us), M = 16 / 64 / 512 318 / 1201 / 9658 -> 259 / 735 / 5384 us
+// (fd_f32_linear: 197 / 631 / 4873 us).
+constexpr int64_t kWidenOnceRows = 4;
+
+// x's rounded pairs as float32 [M, 2 K2], the odd k of each pair first (the widen path's order).
+void pair_major_rows(const uint32_t* xb, int64_t M, int64_t K2, float* xf) {
+  for (int64_t i = 0; i < M * K2; ++i) {
+    const uint32_t odd = xb[i] & 0xFFFF0000u, even = xb[i] << 16;
+    std::memcpy(xf + 2 * i, &odd, 4);
+    std::memcpy(xf + 2 * i + 1, &even, 4);
+  }
+}
+
+// Tile t's weights as float32 [2 K2, 32] in the same order: row 2 j holds W[2 j + 1], row 2 j + 1 W[2 j].
+void widen_tile_once(const Problem& p, int64_t t, float* buf) {
+  const uint8_t* tile = p.w + t * p.K2 * kPairBytes;
+  using fd_kernels::bitcast;
+  for (int64_t j = 0; j < p.K2; ++j) {
+    const uint8_t* src = tile + j * kPairBytes;
+    for (int h = 0; h < 2; ++h) {
+      const u32x16 v = fd_kernels::load<u32x16>(reinterpret_cast<const uint32_t*>(src + 64 * h));
+      fd_kernels::store16(buf + (2 * j) * kCols + 16 * h, bitcast<f32x16>(v & 0xFFFF0000u));
+      fd_kernels::store16(buf + (2 * j + 1) * kCols + 16 * h, bitcast<f32x16>(v << 16u));
+    }
+  }
+}
+
+struct OnceJob {
+  const Problem* p;
+  const float* xf;  // [M, 2 K2]
+};
+
+void widened_once_tile(void* ctx, int64_t t) {
+  const OnceJob& j = *static_cast<OnceJob*>(ctx);
+  const Problem& p = *j.p;
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(2 * p.K2 * kCols));
+  widen_tile_once(p, t, buf.data());
+  fd_kernels::f32_tile_rows_one_chain(j.xf, p.M, 2 * p.K2, buf.data(), t, p.N, p.y);
+}
+
+void gemm_widened_once(const Problem& p) {
+  std::vector<float> xf(static_cast<size_t>(p.M * 2 * p.K2));
+  pair_major_rows(p.xb, p.M, p.K2, xf.data());
+  OnceJob job{&p, xf.data()};
+  fd_kernels::Pool::instance().run(p.N / kCols, widened_once_tile, &job);
+}
+#endif
+
 void gemm(const Problem& p, bool dot) {
+#if !defined(__AVX512F__)
+  if (!dot && p.M > kWidenOnceRows) return gemm_widened_once(p);
+#endif
   const int64_t tiles = p.N / kCols;
   const int64_t per_chunk = tiles >= 16 ? 2 : 1;
   const int64_t tile_chunks = (tiles + per_chunk - 1) / per_chunk;

@@ -1165,6 +1165,31 @@ void f32_linear_tile(const float* x, int64_t rows, int64_t K, const float* w_pac
   }
 }
 
+void f32_tile_rows_one_chain(const float* x, int64_t M, int64_t K, const float* w_tile, int64_t t, int64_t N,
+                             float* y) {
+  // The tile as a one-tile packed weight: tile_bytes 0, so column n of tile t reads w_tile's
+  // column n % 32.
+  constexpr int64_t kRowBytes = kCols * kElem<Kind::kF32>;
+  const Problem p{x, M, K, N, reinterpret_cast<const uint8_t*>(w_tile), nullptr, nullptr, nullptr, 1,
+                  std::max<int64_t>(K, 1), y, kRowBytes, 0};
+  constexpr int R = kRowsFor<Kind::kF32>;
+  static_assert(R <= 8, "the remainder switch below covers blocks of up to 8 rows");
+  for (int64_t n0 = t * kCols; n0 < (t + 1) * kCols; n0 += 16 * kTileVecs) {
+    int64_t m = 0;
+    for (; m + R <= M; m += R) tile<R, Kind::kF32, false, kTileVecs>(p, m, n0);
+    switch (M - m) {
+      case 7: tile<7, Kind::kF32, false, kTileVecs>(p, m, n0); break;
+      case 6: tile<6, Kind::kF32, false, kTileVecs>(p, m, n0); break;
+      case 5: tile<5, Kind::kF32, false, kTileVecs>(p, m, n0); break;
+      case 4: tile<4, Kind::kF32, false, kTileVecs>(p, m, n0); break;
+      case 3: tile<3, Kind::kF32, false, kTileVecs>(p, m, n0); break;
+      case 2: tile<2, Kind::kF32, false, kTileVecs>(p, m, n0); break;
+      case 1: tile<1, Kind::kF32, false, kTileVecs>(p, m, n0); break;
+      default: break;
+    }
+  }
+}
+
 }  // namespace fd_kernels
 
 int64_t out_features(const std::vector<int64_t>& w) { return w.size() >= 3 ? w[0] * kCols : w[1]; }
