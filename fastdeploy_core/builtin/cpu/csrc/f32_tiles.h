@@ -27,8 +27,8 @@ void f32_linear_tile(const float* x, int64_t rows, int64_t K, const float* w_pac
 // y[m, 32 t .. 32 t + 32) (row stride N) for the M rows of x ([M, K], contiguous) times one
 // tile's float32 weights w_tile ([K, 32], contiguous): fd_f32_linear's loop for many rows, in
 // the register file's geometry, with one accumulation chain (k in order) for every row, small
-// row blocks included. Runs on the calling thread (bf16_gemm.cc widens a bfloat16 tile into
-// w_tile once and runs its rows through this).
+// row blocks included. Runs on the calling thread (f32_linear_tile's one-chain rows, and the
+// kernels that widen a quantized or bfloat16 tile into w_tile once and run their rows over it).
 void f32_tile_rows_one_chain(const float* x, int64_t M, int64_t K, const float* w_tile, int64_t t, int64_t N,
                              float* y);
 

@@ -420,6 +420,10 @@ std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
 // float-FMA loop. See benchmarks/quant_kernels.md, "int4 with integer dot products (AVX-512 VNNI)".
 
 constexpr int64_t kVnniChunk = 8;                  // k per chunk
+// Whether a one-row tile splits each accumulator into two chains (k 0..3 and 4..7 of a chunk):
+// against vpdpbusd's 4-cycle latency on AVX-512. AVX2's products chain through a 1-cycle add,
+// and a second set of accumulators would not fit its 16 registers (it spilled).
+constexpr bool kSplitOneRow = FD_INT8_DOT == 512;
 constexpr int kPieceMax = 32639;                   // |a| bound: a = 256 * hi + lo with hi, lo int8
 constexpr int64_t kVnniPrefetch = 4096;            // bytes ahead in the weight stream (prefetchnta)
 constexpr int64_t kVnniTileBytes = kCols * 4;      // bytes per chunk of one tile (128)
@@ -506,9 +510,7 @@ template <int ROWS, int PIECES, int CPB>
 void vnni_tile(const VnniProblem& p, int64_t m, int64_t t) {
   const int64_t K = p.K, N = p.N, n0 = t * kCols;
   const uint8_t* wt = p.w + t * (K / kVnniChunk) * kVnniTileBytes;
-  // One row: a second accumulator per vector for the high nibbles (k 4..7), so consecutive
-  // vpdpbusd do not wait on each other (4-cycle latency).
-  constexpr bool kSplit = ROWS == 1;
+  constexpr bool kSplit = ROWS == 1 && kSplitOneRow;
   F32 total[ROWS][2];
   for (int r = 0; r < ROWS; ++r) total[r][0] = total[r][1] = zero_f();
   int64_t b = 0;  // activation block index
@@ -671,9 +673,7 @@ void vnni32_tile(const Vnni32& p, int64_t m, int64_t t) {
   const uint8_t* w = p.w + t * (p.K / kVnniChunk) * kVnniTileBytes;
   const int8_t* xb = p.panel + m * 64;
   const float* mb = p.meta + m * 4;
-  // One row: two chains per vector against vpdpbusd's latency (AVX-512). AVX2's short sums
-  // chain through a 1-cycle add, and the second set of accumulators would not fit its registers.
-  constexpr bool kSplit = ROWS == 1 && FD_INT8_DOT == 512;
+  constexpr bool kSplit = ROWS == 1 && kSplitOneRow;
   F32 total[ROWS][2];
   for (int r = 0; r < ROWS; ++r) total[r][0] = total[r][1] = zero_f();
   int64_t at = t * p.s_tile, left = 0;
@@ -842,11 +842,7 @@ void dequant_gemm(const DequantProblem& p) {
     thread_local std::vector<float> buf;
     buf.resize(q.K * kCols);
     dequant_tile(q, t, buf.data());
-    // The buffer as a one-tile packed float32 weight: tile_bytes 0, so column n of tile t reads
-    // buffer column n % 32.
-    const Problem f{q.x, q.M, q.K, q.N, reinterpret_cast<const uint8_t*>(buf.data()), nullptr, nullptr, nullptr, 1,
-                    std::max<int64_t>(q.K, 1), q.y, kCols * static_cast<int64_t>(sizeof(float)), 0};
-    tile_rows<Kind::kF32>(f, t);
+    fd_kernels::f32_tile_rows_one_chain(q.x, q.M, q.K, buf.data(), t, q.N, q.y);
   };
   fd_kernels::Pool::instance().run(p.N / kCols, chunk, const_cast<DequantProblem*>(&p));
 }
@@ -1141,28 +1137,19 @@ bool f32_linear_two_chains(int64_t m, int64_t M) {
 
 void f32_linear_tile(const float* x, int64_t rows, int64_t K, const float* w_packed, int64_t t, bool two_chains,
                      float* y) {
-  constexpr int64_t kTileBytes = kCols * kElem<Kind::kF32>;
-  // N = 32 and n0 = 0 with the weights of tile t: y is [rows, 32] and the loop is gemm's own.
-  const Problem p{x, rows, K, kCols, reinterpret_cast<const uint8_t*>(w_packed) + t * K * kTileBytes, nullptr,
-                  nullptr, nullptr, 1, std::max<int64_t>(K, 1), y, kTileBytes, K * kTileBytes};
-  if (two_chains) {
-    PD_CHECK(rows <= 2, "f32_linear_tile: two accumulation chains are used by tiles of 1-2 rows only");
-    if (rows == 2) tile<2, Kind::kF32, true>(p, 0, 0);
-    if (rows == 1) tile<1, Kind::kF32, true>(p, 0, 0);
+  const float* w_tile = w_packed + t * K * kCols;
+  if (!two_chains) {
+    // A row's one-chain sums do not depend on the tile geometry: the register file's serves.
+    f32_tile_rows_one_chain(x, rows, K, w_tile, 0, kCols, y);
     return;
   }
-  int64_t m = 0;
-  for (; m + 8 <= rows; m += 8) tile<8, Kind::kF32, false>(p, m, 0);
-  switch (rows - m) {
-    case 7: tile<7, Kind::kF32, false>(p, m, 0); break;
-    case 6: tile<6, Kind::kF32, false>(p, m, 0); break;
-    case 5: tile<5, Kind::kF32, false>(p, m, 0); break;
-    case 4: tile<4, Kind::kF32, false>(p, m, 0); break;
-    case 3: tile<3, Kind::kF32, false>(p, m, 0); break;
-    case 2: tile<2, Kind::kF32, false>(p, m, 0); break;
-    case 1: tile<1, Kind::kF32, false>(p, m, 0); break;
-    default: break;
-  }
+  PD_CHECK(rows <= 2, "f32_linear_tile: two accumulation chains are used by tiles of 1-2 rows only");
+  // N = 32 and n0 = 0 with the weights of tile t: y is [rows, 32] and the loop is gemm's own.
+  constexpr int64_t kRowBytes = kCols * kElem<Kind::kF32>;
+  const Problem p{x, rows, K, kCols, reinterpret_cast<const uint8_t*>(w_tile), nullptr, nullptr, nullptr, 1,
+                  std::max<int64_t>(K, 1), y, kRowBytes, 0};
+  if (rows == 2) tile<2, Kind::kF32, true>(p, 0, 0);
+  if (rows == 1) tile<1, Kind::kF32, true>(p, 0, 0);
 }
 
 void f32_tile_rows_one_chain(const float* x, int64_t M, int64_t K, const float* w_tile, int64_t t, int64_t N,
