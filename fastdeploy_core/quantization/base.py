@@ -403,6 +403,17 @@ class QuantizerBase(LinearMethodBase):
             self.__dict__["_op"] = (getattr(ops, self.device_op, None) if self.device_op else None) or self.reference_op
         return self._op(x, *args)
 
+    @staticmethod
+    def replace_storage(layer, names: tuple[str, ...], values) -> None:
+        """Put a device's laid-out storage tensors in place of the layer's (buffers stay buffers,
+        parameters parameters) and forget cached op arguments."""
+        for name, value in zip(names, values):
+            if name in layer._buffers:
+                layer.register_buffer(name, value, persistable=True)
+            else:
+                replace_parameter(layer, name, value)
+        layer.__dict__.pop("_quant_op_args", None)
+
     def process_weights_after_loading(self, layer) -> None:
         """Let the device lay the weight storage out as its op reads it fastest; forget cached
         op arguments (storage may have been replaced while loading)."""

@@ -24,7 +24,6 @@ import paddle
 from pydantic import Field
 
 from fastdeploy_core.devices.current import current_ops
-from fastdeploy_core.layers.weights import replace_parameter
 from fastdeploy_core.quantization.base import QuantizerBase, QuantizerConfig, add_bias, expand_groups
 from fastdeploy_core.quantization.codes import num_groups, quantize_int4, quantize_int8
 
@@ -204,12 +203,7 @@ class WeightOnlyInt4(QuantizerBase):
         if prepared is None:
             super().process_weights_after_loading(layer)
             return
-        for name, value in zip(("weight", "weight_scale", "weight_offset"), prepared):
-            if name in layer._buffers:
-                layer.register_buffer(name, value, persistable=True)
-            else:
-                replace_parameter(layer, name, value)
-        layer.__dict__.pop("_quant_op_args", None)
+        self.replace_storage(layer, ("weight", "weight_scale", "weight_offset"), prepared)
 
     @staticmethod
     def reference_op(x, weight, scale, offset, group_size, bias=None):

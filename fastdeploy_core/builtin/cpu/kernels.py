@@ -54,6 +54,7 @@ SOURCES = (
     _CSRC / "graph.cc",
     _CSRC / "moe.cc",
     _CSRC / "bf16_gemm.cc",
+    _CSRC / "w8a8_gemm.cc",
     _CSRC / "mla_attention.cc",
     _CSRC / "pool_check.cc",
 )

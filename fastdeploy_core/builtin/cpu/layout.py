@@ -6,8 +6,9 @@ each 32-column tile is one contiguous stream the hardware prefetcher follows, wh
 a row-major ``[in, out]`` weight are 128-byte pieces ``4 * out`` bytes apart. int4 codes on a
 CPU with AVX-512 VNNI take :func:`pack_int4_vnni_tiles` instead; the stacked float32 experts of
 a mixture-of-experts layer take one such layout per expert (:func:`pack_expert_tiles`); bfloat16
-weights (``--dtype bfloat16``) take pairs of consecutive k per column (:func:`pack_bf16_pair_tiles`).
-:func:`unpack_column_tiles` is the inverse of all three: what :meth:`CpuOps.unprepare_linear_weight` hands the device-neutral
+weights (``--dtype bfloat16``) take pairs of consecutive k per column (:func:`pack_bf16_pair_tiles`),
+``w8a8`` codes quads of them (:func:`pack_int8_quad_tiles`).
+:func:`unpack_column_tiles` is the inverse of all of them: what :meth:`CpuOps.unprepare_linear_weight` hands the device-neutral
 reference formulas of the quantizers.
 """
 
@@ -63,6 +64,29 @@ def unpack_int4_vnni_tiles(weight: paddle.Tensor) -> paddle.Tensor:
     return paddle.bitwise_or(even, paddle.bitwise_left_shift(odd, paddle.full([], 4, dtype="int32"))).astype("uint8")
 
 
+#: k (input rows) per 4-byte lane of the int8 quad layout (``kQuad`` in ``csrc/w8a8_gemm.cc``).
+QUAD_ROWS = 4
+
+
+def pack_int8_quad_tiles(weight: paddle.Tensor) -> paddle.Tensor:
+    """int8 codes ``[K, N]`` -> ``int8 [N / 32, K / 4, 32, 4]`` (``fd_w8a8_linear``'s layout).
+
+    Element ``[t, c, n, j]`` is ``q[4 c + j, 32 t + n]``: each 32-bit lane of a 64-byte load is one
+    column's 4 consecutive k, as ``vpdpbusd`` multiplies them. Needs ``K % 4 == 0`` and ``N % 32 == 0``.
+    """
+    rows, cols = (int(n) for n in weight.shape)
+    if rows % QUAD_ROWS or cols % PACK_COLUMNS:
+        raise ValueError(f"the int8 quad layout needs K % 4 == 0 and N % 32 == 0, got K={rows}, N={cols}")
+    tiles = weight.reshape([rows // QUAD_ROWS, QUAD_ROWS, cols // PACK_COLUMNS, PACK_COLUMNS])  # [c, j, t, n]
+    return tiles.transpose([2, 0, 3, 1]).contiguous()
+
+
+def unpack_int8_quad_tiles(weight: paddle.Tensor) -> paddle.Tensor:
+    """Inverse of :func:`pack_int8_quad_tiles`: int8 ``[K, N]``."""
+    tiles, quads, cols, _ = (int(n) for n in weight.shape)
+    return weight.transpose([1, 3, 0, 2]).reshape([QUAD_ROWS * quads, tiles * cols])
+
+
 def pack_expert_tiles(weight: paddle.Tensor) -> paddle.Tensor:
     """Stacked float32 experts ``[E, rows, N]`` -> ``[E, N / 32, rows, 32]``: each expert's weight
     in :func:`pack_column_tiles`' layout (what ``fd_fused_moe`` reads with ``fd_f32_linear``'s loop)."""
@@ -99,11 +123,13 @@ def unpack_bf16_pair_tiles(weight: paddle.Tensor) -> paddle.Tensor:
 def unpack_column_tiles(weight: paddle.Tensor) -> paddle.Tensor:
     """The plain storage of a weight: ``[rows, N]`` whether packed by :func:`pack_column_tiles`,
     by :func:`pack_int4_vnni_tiles` (uint8, rank 4), by :func:`pack_bf16_pair_tiles` (bfloat16,
-    rank 4) or not packed; ``[E, rows, N]`` for float32 experts packed by :func:`pack_expert_tiles`
+    rank 4), by :func:`pack_int8_quad_tiles` (int8, rank 4) or not packed; ``[E, rows, N]`` for float32 experts packed by :func:`pack_expert_tiles`
     (rank 4)."""
     if weight.ndim == 4:
         if weight.dtype == paddle.bfloat16:
             return unpack_bf16_pair_tiles(weight)
+        if weight.dtype == paddle.int8:
+            return unpack_int8_quad_tiles(weight)
         return unpack_expert_tiles(weight) if weight.dtype == paddle.float32 else unpack_int4_vnni_tiles(weight)
     if weight.ndim != 3:
         return weight

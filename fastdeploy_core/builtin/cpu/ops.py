@@ -18,11 +18,13 @@ from paddle import _C_ops
 from fastdeploy_core.builtin.cpu.kernels import has_int8_dot, load_kernels
 from fastdeploy_core.builtin.cpu.layout import (
     PACK_COLUMNS,
+    QUAD_ROWS,
     VNNI_CHUNK,
     pack_bf16_pair_tiles,
     pack_column_tiles,
     pack_expert_tiles,
     pack_int4_vnni_tiles,
+    pack_int8_quad_tiles,
     unpack_column_tiles,
 )
 from fastdeploy_core.devices.reference_ops import CapturedGraph, ReferenceOps
@@ -67,7 +69,38 @@ class CpuQuantOps:
     def w8a8_linear(self, x, weight, scale, group_size: int, bias=None) -> paddle.Tensor:
         if not (self._have_kernels or self._ready()):
             return int8_linear_reference(x, weight, scale, group_size, bias, act_int8=True)
+        if weight.ndim == 4:  # prepare_w8a8_weights' layout: integer products
+            return add_bias(_run("fd_w8a8_linear", x, weight, scale)[0], bias)
         return add_bias(_run("fd_int8_linear", x, weight, scale, group_size, True)[0], bias)
+
+    #: ``w8a8`` layers multiply int8 by int8 (``fd_w8a8_linear``) when the kernels have integer dot
+    #: products here (``has_int8_dot``); ``FD_W8A8_INT_DOT=0`` keeps the float32 products of
+    #: ``fd_int8_linear``.
+    w8a8_int_dot = has_int8_dot() and os.environ.get("FD_W8A8_INT_DOT", "1") not in ("0", "")
+
+    def prepare_w8a8_weights(self, weight: paddle.Tensor, scale: paddle.Tensor):
+        """A ``w8a8`` layer's ``(weight, scale)`` for ``fd_w8a8_linear``, else ``None``.
+
+        The codes ``int8 [K, N]`` become ``[N / 32, K / 4, 32, 4]`` (:func:`pack_int8_quad_tiles`),
+        the per-channel scales ``[1, N]`` stay. ``None`` (the layer keeps :meth:`prepare_linear_weight`'s
+        layout and the float32 products) without integer dot products or kernels, with group scales,
+        when ``K % 4`` or ``N % 32`` is not 0, or when a code is -128 (the flip to unsigned bytes
+        needs [-127, 127]).
+        """
+        if (
+            not self.w8a8_int_dot
+            or weight.ndim != 2
+            or weight.dtype != paddle.int8
+            or scale.ndim != 2
+            or int(scale.shape[0]) != 1
+            or weight.shape[1] % PACK_COLUMNS != 0
+            or weight.shape[0] % QUAD_ROWS != 0
+            or not (self._have_kernels or self._ready())
+        ):
+            return None
+        if int(weight.numpy().min()) < -127:
+            return None
+        return pack_int8_quad_tiles(weight), scale.astype("float32")
 
     def wint4_linear(self, x, weight, scale, offset, group_size: int, bias=None) -> paddle.Tensor:
         if not (self._have_kernels or self._ready()):
@@ -152,7 +185,7 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         return pack_int4_vnni_tiles(weight), pack_column_tiles(scale), pack_column_tiles(offset)
 
     def unprepare_linear_weight(self, tensor: paddle.Tensor) -> paddle.Tensor:
-        """Column tiles (rank 3) and the int4 VNNI layout (rank 4) back to ``[rows, out]``."""
+        """Column tiles (rank 3), the int4 VNNI and int8 quad layouts (rank 4) back to ``[rows, out]``."""
         return unpack_column_tiles(tensor)
 
     def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:

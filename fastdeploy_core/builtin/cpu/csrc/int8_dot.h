@@ -66,6 +66,9 @@ inline F32 max_f(F32 a, F32 b) { return _mm512_max_ps(a, b); }
 inline float reduce_add_f(F32 a) { return _mm512_reduce_add_ps(a); }
 inline float reduce_max_f(F32 a) { return _mm512_reduce_max_ps(a); }
 inline F32 to_f(I32 a) { return _mm512_cvtepi32_ps(a); }
+inline I32 xor_i(I32 a, I32 b) { return _mm512_xor_si512(a, b); }
+inline F32 div_f(F32 a, F32 b) { return _mm512_div_ps(a, b); }
+inline F32 min_f(F32 a, F32 b) { return _mm512_min_ps(a, b); }
 // Round to nearest, ties to even (the default MXCSR mode), as std::nearbyint.
 inline I32 round_i(F32 a) { return _mm512_cvtps_epi32(a); }
 // The 16 lanes (each in [-128, 127]) as 16 bytes.
@@ -169,6 +172,9 @@ inline float reduce8(__m256 s, bool take_max) {
 inline float reduce_add_f(F32 a) { return reduce8(_mm256_add_ps(a.lo, a.hi), false); }
 inline float reduce_max_f(F32 a) { return reduce8(_mm256_max_ps(a.lo, a.hi), true); }
 inline F32 to_f(I32 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline I32 xor_i(I32 a, I32 b) { return {_mm256_xor_si256(a.lo, b.lo), _mm256_xor_si256(a.hi, b.hi)}; }
+inline F32 div_f(F32 a, F32 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline F32 min_f(F32 a, F32 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
 inline I32 round_i(F32 a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
 inline void store_bytes(int8_t* p, I32 a) {
   // int32 -> int16 -> int8 with saturation (the values fit, so it equals truncation); packs work

@@ -27,7 +27,7 @@
 // loop is one multiply-add per weight and the group sums of x are computed once per call.
 //
 // With act_int8 the rows of x are first rounded to int8 with one dynamic scale per row
-// (|x|max / 127, round half away from zero, as paddle.round): W8A8 / W4A8. The products of
+// (|x|max / 127, round to nearest, ties to even, as paddle.round): W8A8 / W4A8. The products of
 // integer-valued floats are exact; the sums are float32.
 //
 // Vectors are vector_math.h's 16-lane types: one AVX-512 register, or a pair of AVX2 registers.
@@ -379,7 +379,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, float* xq, float* row_s
     for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[m * K + k]));
     const float s = amax > 0.f ? amax / 127.f : 1.f;
     row_scale[m] = s;
-    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = std::min(127.f, std::max(-127.f, std::round(x[m * K + k] / s)));
+    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = std::nearbyint(std::min(127.f, std::max(-127.f, x[m * K + k] / s)));
   }
 }
 
