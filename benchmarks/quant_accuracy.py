@@ -40,6 +40,7 @@ METHODS = {
     "wint4_g128": '{"quantization": "wint4", "group_size": 128}',
     "wint8_float_head": '{"quantization": "wint8", "lm_head_quant_type": null}',
     "w8a8": "w8a8",
+    "w8a8_w8a8_head": '{"quantization": "w8a8", "lm_head_quant_type": "w8a8"}',
     "w4a8": "w4a8",
     "block_wise_fp8": "block_wise_fp8",
     "kv_int8": '{"kv_cache_quant_type": "int8"}',

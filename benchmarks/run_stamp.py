@@ -13,15 +13,26 @@ import time
 
 
 def cpu_model() -> str:
-    """The CPU's name as the kernel reports it, e.g. ``Intel(R) Xeon(R) Processor``."""
+    """The CPU's name as the kernel reports it with its family and model numbers, e.g. ``AMD EPYC
+    (family 25, model 17)``: a virtual machine's name may say no more than the vendor's line
+    (an EPYC 7002 and an EPYC 9004 are both "AMD EPYC"), the numbers tell the generation."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip():
+                    break  # the first processor's block is enough
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "model name" not in fields:
+        return platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        return f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
+    return fields["model name"]
 
 
 #: CPU flags that decide which matrix/vector paths the kernels (ours and the peers') can take.

@@ -125,6 +125,8 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+W8A8_ALL = '{"quantization": "w8a8", "lm_head_quant_type": "w8a8"}'
+
 SERVERS = {
     "ours": ("fastdeploy-core", start_ours),
     "llama-server": ("llama.cpp llama-server -np 64", start_llamacpp_native),
@@ -132,6 +134,9 @@ SERVERS = {
     "ours-bf16": ("fastdeploy-core --dtype bfloat16", lambda p, n, log: start_ours(p, n, log, ("--dtype", "bfloat16"))),
     "ours-bf16-kv": ("fastdeploy-core --dtype bfloat16 --kv-cache-dtype bfloat16",
                      lambda p, n, log: start_ours(p, n, log, ("--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"))),
+    # int8 x int8 linear layers and head (fd_w8a8_linear), a bfloat16 KV cache
+    "ours-w8a8-kv": ("fastdeploy-core --quantization w8a8 (w8a8 head) --kv-cache-dtype bfloat16",
+                     lambda p, n, log: start_ours(p, n, log, ("--quantization", W8A8_ALL, "--kv-cache-dtype", "bfloat16"))),
     "vllm-cpu": ("vLLM-CPU float32", lambda p, n, log: start_vllm(p, n, log, "float32")),
     "vllm-cpu-bf16": ("vLLM-CPU bfloat16", lambda p, n, log: start_vllm(p, n, log, "bfloat16")),
 }
