@@ -197,6 +197,7 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--dtype", default="auto", help="the engine's --dtype (bfloat16: bf16 linear layers)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
+    parser.add_argument("--quantization", default=None, help="the engine's --quantization (a name or JSON)")
     parser.add_argument("--profile", action="store_true", help="CPU time per op group during the prefill")
     parser.add_argument("--warmup", type=int, default=256, help="prompt tokens of one untimed warm-up request")
     parser.add_argument("--warm-each", action="store_true",
@@ -228,6 +229,7 @@ def main(argv=None) -> int:
         enable_prefix_caching=False,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         num_gpu_blocks_override=longest // 16 + 8,  # the longest request at any block size >= 16
     )
     stamp = run_stamp()
@@ -244,7 +246,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump({"stamp": stamp, "threads": os.environ.get("OMP_NUM_THREADS"), "dtype": args.dtype,
-                       "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}, fh, indent=1)
+                       "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization, "rows": rows}, fh, indent=1)
     return 0
 
 
