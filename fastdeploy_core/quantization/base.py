@@ -403,6 +403,19 @@ class QuantizerBase(LinearMethodBase):
             self.__dict__["_op"] = (getattr(ops, self.device_op, None) if self.device_op else None) or self.reference_op
         return self._op(x, *args)
 
+    def adopt_device_layout(self, layer, prepare: str, names: tuple[str, ...]) -> bool:
+        """Whether the ops table's ``prepare`` method laid the storage tensors ``names`` out for
+        this method's op (then they replace the layer's), e.g. the cpu ops' int4 VNNI or int8
+        quad layouts; ``False`` when the table has no such method or it declined (``None``)."""
+        ops = current_ops()
+        if not hasattr(ops, prepare):
+            return False
+        prepared = getattr(ops, prepare)(*(getattr(layer, name) for name in names))
+        if prepared is None:
+            return False
+        self.replace_storage(layer, names, prepared)
+        return True
+
     @staticmethod
     def replace_storage(layer, names: tuple[str, ...], values) -> None:
         """Put a device's laid-out storage tensors in place of the layer's (buffers stay buffers,

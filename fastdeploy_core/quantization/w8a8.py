@@ -11,7 +11,6 @@ are formed in float32 (exact) and summed in float32, which the reference formula
 
 from __future__ import annotations
 
-from fastdeploy_core.devices.current import current_ops
 from typing import Literal
 
 from pydantic import Field
@@ -44,11 +43,5 @@ class W8A8(WeightOnlyInt8):
     def process_weights_after_loading(self, layer) -> None:
         """The device's integer-product layout for codes and scales when it has one
         (``ops.prepare_w8a8_weights``), else as every method."""
-        ops = current_ops()
-        prepared = None
-        if hasattr(ops, "prepare_w8a8_weights"):
-            prepared = ops.prepare_w8a8_weights(layer.weight, layer.weight_scale)
-        if prepared is None:
+        if not self.adopt_device_layout(layer, "prepare_w8a8_weights", ("weight", "weight_scale")):
             super().process_weights_after_loading(layer)
-            return
-        self.replace_storage(layer, ("weight", "weight_scale"), prepared)

@@ -196,14 +196,9 @@ class WeightOnlyInt4(QuantizerBase):
     def process_weights_after_loading(self, layer) -> None:
         """The device's int4 layout for codes, scales and offsets together when it has one
         (``ops.prepare_int4_weights``: the cpu ops' VNNI layout), else as every method."""
-        ops = current_ops()
-        prepared = None
-        if hasattr(ops, self.device_op):
-            prepared = ops.prepare_int4_weights(layer.weight, layer.weight_scale, layer.weight_offset)
-        if prepared is None:
+        if not (hasattr(current_ops(), self.device_op) and self.adopt_device_layout(
+                layer, "prepare_int4_weights", ("weight", "weight_scale", "weight_offset"))):
             super().process_weights_after_loading(layer)
-            return
-        self.replace_storage(layer, ("weight", "weight_scale", "weight_offset"), prepared)
 
     @staticmethod
     def reference_op(x, weight, scale, offset, group_size, bias=None):

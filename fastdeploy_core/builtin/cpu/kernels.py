@@ -60,6 +60,7 @@ SOURCES = (
 )
 HEADERS = (
     _CSRC / "thread_pool.h",
+    _CSRC / "row_panels.h",
     _CSRC / "vector_math.h",
     _CSRC / "f32_tiles.h",
     _CSRC / "graph.h",

@@ -26,7 +26,7 @@
 // through a target attribute, so the library builds on compilers' default targets too.
 // `path`: 0 = the CPU's best, 1 = widen, 2 = dot (an error without AVX-512 BF16).
 //
-// Threads (thread_pool.h) claim (panel of 64 rows, one or two column tiles) items; each tile
+// Threads (row_panels.h) claim (panel of 64 rows, one or two column tiles) items; each tile
 // runs the panel's rows in blocks of 8, so rows reuse a tile's weights from cache and a panel's
 // activations stay in L2 across its tiles.
 //
@@ -47,6 +47,7 @@
 #include "f32_tiles.h"
 #include "graph.h"
 #include "paddle/extension.h"
+#include "row_panels.h"
 #include "thread_pool.h"
 #include "vector_math.h"
 
@@ -168,65 +169,15 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dot_tile(const Probl
 }
 #endif
 
-// Rows [m_begin, m_end) of tile t, in blocks of the path's kBlock rows.
-template <template <int> class Tile>
-void rows_of_tile(const Problem& p, int64_t t, int64_t m_begin, int64_t m_end) {
-  constexpr int R = Tile<1>::kBlock;
-  int64_t m = m_begin;
-  for (; m + R <= m_end; m += R) Tile<R>::run(p, m, t);
-  switch (m_end - m) {
-    case 7: Tile<7>::run(p, m, t); break;
-    case 6: Tile<6>::run(p, m, t); break;
-    case 5: Tile<5>::run(p, m, t); break;
-    case 4: Tile<4>::run(p, m, t); break;
-    case 3: Tile<3>::run(p, m, t); break;
-    case 2: Tile<2>::run(p, m, t); break;
-    case 1: Tile<1>::run(p, m, t); break;
-    default: break;
-  }
-}
-
-template <int ROWS>
-struct Widen {
-  // Rows per block: kRows, or 4 without AVX-512 (vector_math.h's register pairs; on an AVX2 EPYC
-  // 7002, [M, 576] x [576, 1536]: blocks of 2 rows 676 / 5200 us at M = 16 / 128, of 4 575 /
-  // 4424, of 6 alike; float32's fd_f32_linear 361 / 2326 us: why calls of more rows now widen
-  // each tile once instead, gemm_widened_once).
+// Rows per block of the widen path: kRows, or 4 without AVX-512 (vector_math.h's register
+// pairs; on an AVX2 EPYC 7002, [M, 576] x [576, 1536]: blocks of 2 rows 676 / 5200 us at M = 16 /
+// 128, of 4 575 / 4424, of 6 alike; float32's fd_f32_linear 361 / 2326 us: why calls of more rows
+// now widen each tile once instead, gemm_widened_once).
 #if defined(__AVX512F__)
-  static constexpr int kBlock = kRows;
+constexpr int kWidenBlock = kRows;
 #else
-  static constexpr int kBlock = 4;
+constexpr int kWidenBlock = 4;
 #endif
-  static void run(const Problem& p, int64_t m, int64_t t) { widen_tile<ROWS>(p, m, t); }
-};
-
-#if defined(__x86_64__)
-template <int ROWS>
-struct Dot {
-  static constexpr int kBlock = kRows;
-  static void run(const Problem& p, int64_t m, int64_t t) { dot_tile<ROWS>(p, m, t); }
-};
-#endif
-
-// Work items: (row panel, one or two tiles). A prompt's rows go in panels of kPanelRows, so a
-// panel's bf16 activations (64 x K x 2 bytes: 72 KB at K = 576, 192 KB at 1536) stay in L2
-// while its tiles stream past, instead of all rows being read again for every tile. Blocks of
-// rows never change a row's sums (one chain per output), so the split is free to choose.
-constexpr int64_t kPanelRows = 64;
-
-struct Job {
-  const Problem* p;
-  int64_t tiles, per_chunk, tile_chunks;
-};
-
-template <template <int> class Tile>
-void chunk(void* ctx, int64_t c) {
-  const Job& j = *static_cast<Job*>(ctx);
-  const int64_t panel = c / j.tile_chunks, tc = c % j.tile_chunks;
-  const int64_t m_begin = panel * kPanelRows, m_end = std::min(j.p->M, m_begin + kPanelRows);
-  for (int64_t t = tc * j.per_chunk; t < std::min(j.tiles, (tc + 1) * j.per_chunk); ++t)
-    rows_of_tile<Tile>(*j.p, t, m_begin, m_end);
-}
 
 #if !defined(__AVX512F__)
 // Rows above which the widen path widens each tile once (see the top of the file). [M, 576] x
@@ -285,17 +236,18 @@ void gemm(const Problem& p, bool dot) {
   if (!dot && p.M > kWidenOnceRows) return gemm_widened_once(p);
 #endif
   const int64_t tiles = p.N / kCols;
-  const int64_t per_chunk = tiles >= 16 ? 2 : 1;
-  const int64_t tile_chunks = (tiles + per_chunk - 1) / per_chunk;
-  Job job{&p, tiles, per_chunk, tile_chunks};
-  const int64_t chunks = tile_chunks * std::max<int64_t>(1, (p.M + kPanelRows - 1) / kPanelRows);
 #if defined(__x86_64__)
   if (dot) {
-    fd_kernels::Pool::instance().run(chunks, chunk<Dot>, &job);
+    fd_kernels::run_row_panels(p.M, tiles, [&p](int64_t t, int64_t m_begin, int64_t m_end) {
+      fd_kernels::row_blocks<kRows>(m_begin, m_end, [&](auto rows, int64_t m) { dot_tile<decltype(rows)::value>(p, m, t); });
+    });
     return;
   }
 #endif
-  fd_kernels::Pool::instance().run(chunks, chunk<Widen>, &job);
+  fd_kernels::run_row_panels(p.M, tiles, [&p](int64_t t, int64_t m_begin, int64_t m_end) {
+    fd_kernels::row_blocks<kWidenBlock>(m_begin, m_end,
+                                        [&](auto rows, int64_t m) { widen_tile<decltype(rows)::value>(p, m, t); });
+  });
 }
 
 std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {

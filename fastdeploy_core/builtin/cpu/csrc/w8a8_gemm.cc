@@ -21,8 +21,8 @@
 // is rounded) is taken off. AVX2 (vpmaddubsw + vpmaddwd, int8_dot.h) computes sum q xq directly.
 // Without either (no FD_INT8_DOT) a scalar loop computes the same integers.
 //
-// Threads (thread_pool.h) claim (panel of 64 rows, one or two column tiles) items, as
-// fd_bf16_linear's do; each tile runs the panel's rows in register blocks.
+// Threads claim (panel of 64 rows, one or two column tiles) items and each tile runs the panel's
+// rows in register blocks (row_panels.h, as fd_bf16_linear's do).
 
 #include <immintrin.h>
 
@@ -35,7 +35,7 @@
 #include "graph.h"
 #include "int8_dot.h"
 #include "paddle/extension.h"
-#include "thread_pool.h"
+#include "row_panels.h"
 
 namespace {
 
@@ -43,8 +43,7 @@ constexpr int64_t kCols = 32;                 // output columns per tile
 constexpr int64_t kQuad = 4;                  // k per 32-bit lane
 constexpr int64_t kQuadBytes = kCols * kQuad;  // one quad of k of one tile: 128 bytes
 constexpr int64_t kPrefetchBytes = 2048;      // how far ahead a few-row tile asks for weights
-constexpr int64_t kPanelRows = 64;            // rows per work item (their codes stay in L2)
-constexpr int kMaxCode = 127;
+constexpr float kMaxCode = 127.f;            // codes in [-127, 127]
 
 // The rows of x as int8 codes, their scales and what the integer sums carry beyond sum q xq
 // (128 * the sum of the row's codes where the weights are flipped, see above).
@@ -76,12 +75,12 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Rows* out) {
     amax = reduce_max_f(vmax);
 #endif
     for (; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    const float s = amax > 0.f ? amax / kMaxCode : 1.f;
     out->scale[m] = s;
     int32_t sum = 0;
     k = 0;
 #if defined(FD_INT8_DOT)
-    const F32 vs = set1_f(s), hi = set1_f(127.f), lo = set1_f(-127.f);
+    const F32 vs = set1_f(s), hi = set1_f(kMaxCode), lo = set1_f(-kMaxCode);
     I32 vsum = zero_i();
     for (; k + 16 <= K; k += 16) {
       // Clamped first (|v| may pass 127 by a rounding of the scale), then rounded to nearest
@@ -93,7 +92,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Rows* out) {
     sum = reduce_add_i(vsum);
 #endif
     for (; k < K; ++k) {
-      const int q = static_cast<int>(std::nearbyint(std::min(127.f, std::max(-127.f, xr[k] / s))));
+      const int q = static_cast<int>(std::nearbyint(std::min(kMaxCode, std::max(-kMaxCode, xr[k] / s))));
       qr[k] = static_cast<int8_t>(q);
       sum += q;
     }
@@ -147,41 +146,10 @@ void tile(const Problem& p, int64_t m, int64_t t) {
   }
 }
 
-void rows_of_tile(const Problem& p, int64_t t, int64_t m_begin, int64_t m_end) {
-  int64_t m = m_begin;
-  for (; m + kBlock <= m_end; m += kBlock) tile<kBlock>(p, m, t);
-  switch (m_end - m) {
-    case 7: tile<7>(p, m, t); break;
-    case 6: tile<6>(p, m, t); break;
-    case 5: tile<5>(p, m, t); break;
-    case 4: tile<4>(p, m, t); break;
-    case 3: tile<3>(p, m, t); break;
-    case 2: tile<2>(p, m, t); break;
-    case 1: tile<1>(p, m, t); break;
-    default: break;
-  }
-}
-
-struct Job {
-  const Problem* p;
-  int64_t tiles, per_chunk, tile_chunks;
-};
-
-void chunk(void* ctx, int64_t c) {
-  const Job& j = *static_cast<Job*>(ctx);
-  const int64_t panel = c / j.tile_chunks, tc = c % j.tile_chunks;
-  const int64_t m_begin = panel * kPanelRows, m_end = std::min(j.p->M, m_begin + kPanelRows);
-  for (int64_t t = tc * j.per_chunk; t < std::min(j.tiles, (tc + 1) * j.per_chunk); ++t)
-    rows_of_tile(*j.p, t, m_begin, m_end);
-}
-
 void gemm(const Problem& p) {
-  const int64_t tiles = p.N / kCols;
-  const int64_t per_chunk = tiles >= 16 ? 2 : 1;
-  const int64_t tile_chunks = (tiles + per_chunk - 1) / per_chunk;
-  Job job{&p, tiles, per_chunk, tile_chunks};
-  const int64_t chunks = tile_chunks * std::max<int64_t>(1, (p.M + kPanelRows - 1) / kPanelRows);
-  fd_kernels::Pool::instance().run(chunks, chunk, &job);
+  fd_kernels::run_row_panels(p.M, p.N / kCols, [&p](int64_t t, int64_t m_begin, int64_t m_end) {
+    fd_kernels::row_blocks<kBlock>(m_begin, m_end, [&](auto rows, int64_t m) { tile<decltype(rows)::value>(p, m, t); });
+  });
 }
 #else
 // The same integers without integer dot products.

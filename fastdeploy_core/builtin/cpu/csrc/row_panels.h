@@ -1,0 +1,62 @@
+// How a many-row GEMM over 32-column tiles is split among the pool's threads and how a tile
+// runs its rows through register blocks (fd_bf16_linear's and fd_w8a8_linear's loops).
+//
+// Work items are (panel of kPanelRows rows, one or two tiles): a prompt's rows go in panels so
+// a panel's activations (64 x K values) stay in L2 while its tiles stream past, instead of all
+// rows being read again for every tile. Inside an item each tile takes the panel's rows in
+// blocks of BLOCK rows and one block of the remainder. Blocks never change a row's sums (one
+// chain per output), so the split is free to choose.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "thread_pool.h"
+
+namespace fd_kernels {
+
+constexpr int64_t kPanelRows = 64;
+
+// run(std::integral_constant<int, R>{}, m) for rows [m_begin, m_end): blocks of BLOCK (<= 8)
+// rows, then the remainder as one block.
+template <int BLOCK, class Run>
+inline void row_blocks(int64_t m_begin, int64_t m_end, Run&& run) {
+  static_assert(BLOCK >= 1 && BLOCK <= 8, "a register block has 1 to 8 rows");
+  int64_t m = m_begin;
+  for (; m + BLOCK <= m_end; m += BLOCK) run(std::integral_constant<int, BLOCK>{}, m);
+  switch (m_end - m) {
+    case 7: if constexpr (BLOCK > 7) run(std::integral_constant<int, 7>{}, m); break;
+    case 6: if constexpr (BLOCK > 6) run(std::integral_constant<int, 6>{}, m); break;
+    case 5: if constexpr (BLOCK > 5) run(std::integral_constant<int, 5>{}, m); break;
+    case 4: if constexpr (BLOCK > 4) run(std::integral_constant<int, 4>{}, m); break;
+    case 3: if constexpr (BLOCK > 3) run(std::integral_constant<int, 3>{}, m); break;
+    case 2: if constexpr (BLOCK > 2) run(std::integral_constant<int, 2>{}, m); break;
+    case 1: if constexpr (BLOCK > 1) run(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
+// tile_rows(t, m_begin, m_end) for every tile t < tiles and every panel of the M rows, on the pool.
+template <class TileRows>
+inline void run_row_panels(int64_t M, int64_t tiles, const TileRows& tile_rows) {
+  struct Split {
+    const TileRows* tile_rows;
+    int64_t M, tiles, per_chunk, tile_chunks;
+  };
+  const int64_t per_chunk = tiles >= 16 ? 2 : 1;
+  Split s{&tile_rows, M, tiles, per_chunk, (tiles + per_chunk - 1) / per_chunk};
+  const int64_t chunks = s.tile_chunks * std::max<int64_t>(1, (M + kPanelRows - 1) / kPanelRows);
+  Pool::instance().run(
+      chunks,
+      [](void* ctx, int64_t c) {
+        const Split& j = *static_cast<const Split*>(ctx);
+        const int64_t panel = c / j.tile_chunks, tc = c % j.tile_chunks;
+        const int64_t m_begin = panel * kPanelRows, m_end = std::min(j.M, m_begin + kPanelRows);
+        for (int64_t t = tc * j.per_chunk; t < std::min(j.tiles, (tc + 1) * j.per_chunk); ++t)
+          (*j.tile_rows)(t, m_begin, m_end);
+      },
+      &s);
+}
+
+}  // namespace fd_kernels
