@@ -1,7 +1,8 @@
 """Batch-1 decode speed and weight memory of the default model per quantization method.
 
 Usage: python benchmarks/quant_decode.py [--methods none,wint8,wint4] [--tokens 64] [--rounds 3]
-       (``wint4:fma`` / ``w4a8:fma``: int4 in the float-FMA kernel's layout, not the VNNI one)
+       (``wint4:fma`` / ``w4a8:fma``: int4 in the float-FMA kernel's layout, not the VNNI one;
+       ``wint8:fma``: int8 in fd_int8_linear's float32 loop, not the integer-product quads)
        [--model PATH]
 
 Builds one model per method (the native Llama with the method's quantizer, the cpu device's
@@ -72,13 +73,14 @@ def main() -> None:
     runs = {}
     from fastdeploy_core.builtin.cpu.ops import CpuOps
 
-    vnni_default = CpuOps.int4_vnni_layout
+    vnni_default, quads_default = CpuOps.int4_vnni_layout, CpuOps.wint8_int_dot
     for method in args.methods.split(","):
         t0 = time.perf_counter()
         quantizer = None
         # "wint4:fma": int4 weights in the float-FMA kernel's layout instead of the VNNI one (A/B in one process)
         name, _, variant = method.partition(":")
         CpuOps.int4_vnni_layout = vnni_default and variant != "fma"
+        CpuOps.wint8_int_dot = quads_default and variant != "fma"
         if method != "none":
             quantizer = resolve_quantization(
                 name,
@@ -96,7 +98,7 @@ def main() -> None:
             (paddle.zeros([blocks, bs, kv_heads, head_dim]), paddle.zeros([blocks, bs, kv_heads, head_dim]))
             for _ in range(num_layers)
         ]
-        CpuOps.int4_vnni_layout = vnni_default
+        CpuOps.int4_vnni_layout, CpuOps.wint8_int_dot = vnni_default, quads_default
         runs[method] = {
             "model": model,
             "caches": caches,

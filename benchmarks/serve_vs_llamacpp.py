@@ -61,12 +61,13 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise RuntimeError(f"{url} not ready in {timeout} s")
 
 
-def start_ours(port: int, max_model_len: int, log, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+def start_ours(port: int, max_model_len: int, log, extra: tuple[str, ...] = (),
+               env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     cmd = [os.path.join(os.path.dirname(sys.executable), "fastdeploy"), "serve", "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", "64", *extra]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="2", **(env or {})))
     wait_ready(f"http://127.0.0.1:{port}/health", proc)
-    return proc, " ".join(cmd[1:])
+    return proc, "".join(f"{k}={v} " for k, v in (env or {}).items()) + " ".join(cmd[1:])
 
 
 def start_llamacpp(port: int, max_model_len: int, log) -> tuple[subprocess.Popen, str]:
@@ -137,6 +138,13 @@ SERVERS = {
     # int8 x int8 linear layers and head (fd_w8a8_linear), a bfloat16 KV cache
     "ours-w8a8-kv": ("fastdeploy-core --quantization w8a8 (w8a8 head) --kv-cache-dtype bfloat16",
                      lambda p, n, log: start_ours(p, n, log, ("--quantization", W8A8_ALL, "--kv-cache-dtype", "bfloat16"))),
+    # wint8 (int8 head) on integer products with 16-bit activations (fd_w8a8_linear, two pieces), and
+    # the same weights through the float32 loop it ran before (FD_WINT8_INT_DOT=0)
+    "ours-wint8-kv": ("fastdeploy-core --quantization wint8 --kv-cache-dtype bfloat16",
+                      lambda p, n, log: start_ours(p, n, log, ("--quantization", "wint8", "--kv-cache-dtype", "bfloat16"))),
+    "ours-wint8-float-kv": ("fastdeploy-core --quantization wint8 --kv-cache-dtype bfloat16, FD_WINT8_INT_DOT=0",
+                            lambda p, n, log: start_ours(p, n, log, ("--quantization", "wint8", "--kv-cache-dtype", "bfloat16"),
+                                                         {"FD_WINT8_INT_DOT": "0"})),
     "vllm-cpu": ("vLLM-CPU float32", lambda p, n, log: start_vllm(p, n, log, "float32")),
     "vllm-cpu-bf16": ("vLLM-CPU bfloat16", lambda p, n, log: start_vllm(p, n, log, "bfloat16")),
 }

@@ -21,7 +21,7 @@ from fastdeploy_core.quantization.weight_only import WeightOnlyInt8, WeightOnlyI
 class W8A8Config(WeightOnlyInt8Config):
     lm_head_quant_type: Literal["wint8", "w8a8"] | None = Field(
         "wint8",
-        description="the LM head as per-channel int8: wint8 (float32 activations) or w8a8 (int8 activations, "
+        description="the LM head as per-channel int8: wint8 (float or 16-bit activations) or w8a8 (int8 activations, "
         "integer products); None keeps it float32",
     )
 
@@ -33,15 +33,10 @@ class W8A8(WeightOnlyInt8):
     config_class = W8A8Config
     expected_error = 0.03
     device_op = "w8a8_linear"
+    device_layout = "prepare_w8a8_weights"
     #: its experts would need the int8-activation formula, which fused_moe does not have
     quantizes_experts = False
 
     @staticmethod
     def reference_op(x, weight, scale, group_size, bias=None):
         return int8_linear_reference(x, weight, scale, group_size, bias, act_int8=True)
-
-    def process_weights_after_loading(self, layer) -> None:
-        """The device's integer-product layout for codes and scales when it has one
-        (``ops.prepare_w8a8_weights``), else as every method."""
-        if not self.adopt_device_layout(layer, "prepare_w8a8_weights", ("weight", "weight_scale")):
-            super().process_weights_after_loading(layer)

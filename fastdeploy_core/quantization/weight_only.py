@@ -1,7 +1,10 @@
 """Weight-only quantization: ``wint8`` (per-channel int8) and ``wint4`` (group-wise int4).
 
 Activations stay float32; weights are stored compact in Paddle's ``[in, out]`` orientation
-and widened inside the matmul (the cpu device's C++ kernel reads them directly).
+and widened inside the matmul (the cpu device's C++ kernel reads them directly). A device may
+lay them out for integer products instead (``ops.prepare_wint8_weights``, ``ops.prepare_int4_weights``):
+the cpu device with integer dot products rounds each activation row to 16 bits held as two int8
+pieces, a row at a time, so outputs stay independent of the batch.
 
 * ``wint8``: ``weight int8 [K, N]``, ``weight_scale [G, N]`` with ``w = q * scale``,
   ``q`` in [-127, 127], ``scale = max|w| / 127`` per output channel (``G = 1``) or per group of
@@ -129,6 +132,17 @@ class WeightOnlyInt8(QuantizerBase):
     @staticmethod
     def reference_op(x, weight, scale, group_size, bias=None):
         return int8_linear_reference(x, weight, scale, group_size, bias)
+
+    #: the ops table's method that lays codes and scales out for integer products (the cpu ops'
+    #: int8 quads; ``wint8``'s activations then go in two int8 pieces)
+    device_layout: ClassVar[str] = "prepare_wint8_weights"
+
+    def process_weights_after_loading(self, layer) -> None:
+        """The device's integer-product layout for codes and scales when it has one
+        (:attr:`device_layout`), else as every method."""
+        if not (hasattr(current_ops(), self.device_op) and self.adopt_device_layout(
+                layer, self.device_layout, ("weight", "weight_scale"))):
+            super().process_weights_after_loading(layer)
 
 
 class WeightOnlyInt4Config(QuantizerConfig):

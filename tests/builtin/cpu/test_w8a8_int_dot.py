@@ -1,10 +1,13 @@
-"""``w8a8`` with integer products: the int8 quad layout ``[N / 32, K / 4, 32, 4]`` and ``fd_w8a8_linear``.
+"""``w8a8`` and ``wint8`` with integer products: the int8 quad layout ``[N / 32, K / 4, 32, 4]`` and ``fd_w8a8_linear``.
 
-The kernel rounds each row of x to int8 (``|x|max / 127``, ties to even as ``paddle.round``) and sums the
-products of the codes in int32 (``vpdpbusd`` on AVX-512 VNNI, ``vpmaddubsw`` + ``vpmaddwd`` on
-AVX2, a scalar loop elsewhere); the result is ``(float32(sum) * w_scale[n]) * x_scale[m]``. The
-sums are exact, so the tests compare bit for bit with that formula computed in numpy (int64
-sums), and within float32 summation error with the quantizer's reference formula.
+With one piece (w8a8) the kernel rounds each row of x to int8 (``|x|max / 127``, ties to even as
+``paddle.round``) and sums the products of the codes in int32 (``vpdpbusd`` on AVX-512 VNNI,
+``vpmaddubsw`` + ``vpmaddwd`` on AVX2, a scalar loop elsewhere); the result is
+``(float32(sum) * w_scale[n]) * x_scale[m]``. With two pieces (wint8) each row is rounded to
+16 bits (``|x|max / 32639``) held as ``256 hi + lo``; the result is
+``(fma(float32(sum hi q), 256, float32(sum lo q)) * w_scale[n]) * x_scale[m]``. The sums are
+exact, so the tests compare bit for bit with those formulas computed in numpy (int64 sums), and
+within the activations' rounding with the quantizers' float32 reference formulas.
 """
 
 from __future__ import annotations
@@ -23,20 +26,29 @@ from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.layers.linear import Linear
 from fastdeploy_core.quantization.codes import quantize_int8
 from fastdeploy_core.quantization.w8a8 import W8A8
-from fastdeploy_core.quantization.weight_only import int8_linear_reference
+from fastdeploy_core.quantization.weight_only import WeightOnlyInt8, int8_linear_reference
 
 
 def gaussian(rng, shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-def formula(x: np.ndarray, q: np.ndarray, ws: np.ndarray) -> np.ndarray:
-    """The kernel's result in numpy: int8 rows (ties to even), exact integer sums."""
+def formula(x: np.ndarray, q: np.ndarray, ws: np.ndarray, pieces: int = 1) -> np.ndarray:
+    """The kernel's result in numpy: rows rounded per row (ties to even), exact integer sums."""
+    top = np.float32(127 if pieces == 1 else 32639)
     amax = np.abs(x).max(axis=1, keepdims=True)
-    xs = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-    xq = np.rint(np.clip((x / xs).astype(np.float32), -127, 127)).astype(np.int64)  # float32 division, ties to even
-    sums = xq @ q.astype(np.int64)
-    return ((sums.astype(np.float32) * ws.reshape(1, -1)).astype(np.float32) * xs).astype(np.float32)
+    xs = np.where(amax > 0, amax / top, np.float32(1)).astype(np.float32)
+    a = np.rint(np.clip((x / xs).astype(np.float32), -top, top)).astype(np.int64)  # float32 division, ties to even
+    if pieces == 1:
+        v = (a @ q.astype(np.int64)).astype(np.float32)
+    else:
+        hi = (a + 128) >> 8
+        lo = a - 256 * hi
+        assert hi.min() >= -127 and hi.max() <= 127 and lo.min() >= -128 and lo.max() <= 127
+        sh = (hi @ q.astype(np.int64)).astype(np.float32).astype(np.float64)
+        sl = (lo @ q.astype(np.int64)).astype(np.float32).astype(np.float64)
+        v = (sh * 256 + sl).astype(np.float32)  # exact in float64, then one rounding: the fma
+    return ((v * ws.reshape(1, -1)).astype(np.float32) * xs).astype(np.float32)
 
 
 @pytest.mark.parametrize("shape", [(4, 32), (576, 96), (1536, 64), (44, 160)])
@@ -61,11 +73,12 @@ def test_quad_packing_rejects_shapes_it_cannot_hold():
 
 
 # rows: one (decode), a register block and its remainders, more than one panel of 64 rows.
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 64, 130])
+@pytest.mark.parametrize("pieces", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 64, 130])
 @pytest.mark.parametrize("shape", [(576, 96), (1536, 64), (44, 160)], ids=["576x96", "1536x64", "44x160"])
-def test_kernel_equals_its_integer_formula_bit_for_bit(rows, shape, cpu_kernels):
+def test_kernel_equals_its_integer_formula_bit_for_bit(pieces, rows, shape, cpu_kernels):
     K, N = shape
-    rng = np.random.default_rng(rows * 7 + K)
+    rng = np.random.default_rng(rows * 7 + K + pieces)
     q = rng.integers(-127, 128, (K, N)).astype(np.int8)
     ws = (rng.random(N).astype(np.float32) + 0.5) / 127
     x = gaussian(rng, (rows, K))
@@ -73,9 +86,12 @@ def test_kernel_equals_its_integer_formula_bit_for_bit(rows, shape, cpu_kernels)
     if rows > 2:
         x[1] = 0.0  # a zero row: scale 1, codes 0
         x[2, :8] = [0.5, -0.5, 1.5, -2.5, 126.5, -126.5, 127.0, 0.25]  # ties (scale 1): to even
-    want = formula(x, q, ws)
+    if rows > 3 and pieces == 2:
+        x[3, :4] = [1.0, 128.0 / 32639, -128.0 / 32639, 384.0 / 32639]  # low pieces of -128 (scale 1 / 32639)
+        x[3, 4:] = np.clip(x[3, 4:], -0.9, 0.9)
+    want = formula(x, q, ws, pieces)
     got = cpu_kernels.fd_w8a8_linear(
-        paddle.to_tensor(x), pack_int8_quad_tiles(paddle.to_tensor(q)), paddle.to_tensor(ws.reshape(1, N))
+        paddle.to_tensor(x), pack_int8_quad_tiles(paddle.to_tensor(q)), paddle.to_tensor(ws.reshape(1, N)), pieces
     ).numpy()
     np.testing.assert_array_equal(got, want)
     if rows > 2:
@@ -91,7 +107,7 @@ def test_kernel_rounds_ties_to_even_as_paddle_round_does(cpu_kernels):
     eye = np.zeros((K, N), np.int8)
     eye[np.arange(K), np.arange(N)] = 1
     got = cpu_kernels.fd_w8a8_linear(
-        paddle.to_tensor(x), pack_int8_quad_tiles(paddle.to_tensor(eye)), paddle.ones([1, N])
+        paddle.to_tensor(x), pack_int8_quad_tiles(paddle.to_tensor(eye)), paddle.ones([1, N]), 1
     ).numpy()
     np.testing.assert_array_equal(got[0, :9], [127, 0, 0, 2, -2, 2, -2, 0, 0])
     np.testing.assert_array_equal(got[0, 1:9], paddle.round(paddle.to_tensor(x[0, 1:9])).numpy())
@@ -104,27 +120,58 @@ def test_kernel_matches_the_w8a8_reference_formula(cpu_kernels):
     w, scale = paddle.to_tensor(stored["weight"]), paddle.to_tensor(stored["weight_scale"])
     x = paddle.to_tensor(gaussian(rng, (9, K)))
     want = int8_linear_reference(x, w, scale, K, act_int8=True).numpy()
-    got = cpu_kernels.fd_w8a8_linear(x, pack_int8_quad_tiles(w), scale).numpy()
+    got = cpu_kernels.fd_w8a8_linear(x, pack_int8_quad_tiles(w), scale, 1).numpy()
     # the same products; the reference sums them in float32
     assert float(np.abs(got - want).max() / np.abs(want).max()) <= 2e-6
 
 
+@pytest.mark.parametrize("outlier", [1.0, 100.0])
+def test_two_pieces_stay_within_the_activations_rounding_of_the_wint8_formula(outlier, cpu_kernels):
+    """wint8's float32 formula against 16-bit rows: each activation off by at most half a step of
+    |x|max / 32639, so each output by at most that times the column's sum of |w| (plus float32
+    summation); an outlier channel coarsens the row's step, as it should."""
+    K, N = 1536, 96
+    rng = np.random.default_rng(8)
+    stored = quantize_int8(gaussian(rng, (K, N)), K)
+    w, scale = paddle.to_tensor(stored["weight"]), paddle.to_tensor(stored["weight_scale"])
+    xn = gaussian(rng, (7, K))
+    xn[:, 5] *= outlier
+    x = paddle.to_tensor(xn)
+    want = int8_linear_reference(x, w, scale, K).numpy()
+    got = cpu_kernels.fd_w8a8_linear(x, pack_int8_quad_tiles(w), scale, 2).numpy()
+    dense = (stored["weight"].astype(np.float64) * stored["weight_scale"]).astype(np.float64)
+    step = np.abs(xn).max(axis=1, keepdims=True) / 32639
+    bound = 0.5 * step * np.abs(dense).sum(axis=0, keepdims=True) + 1e-5 * np.abs(want).max()
+    assert np.all(np.abs(got - want) <= bound)
+    # and far closer than int8 activations get
+    w8a8 = cpu_kernels.fd_w8a8_linear(x, pack_int8_quad_tiles(w), scale, 1).numpy()
+    assert np.abs(got - want).max() * 50 < np.abs(w8a8 - want).max()
+
+
 def test_kernel_checks_its_arguments(cpu_kernels):
     packed = pack_int8_quad_tiles(paddle.zeros([64, 32], dtype="int8"))
-    assert tuple(cpu_kernels.fd_w8a8_linear(paddle.ones([2, 3, 64]), packed, paddle.ones([1, 32])).shape) == (2, 3, 32)
+    assert tuple(cpu_kernels.fd_w8a8_linear(paddle.ones([2, 3, 64]), packed, paddle.ones([1, 32]), 1).shape) == (2, 3, 32)
     with pytest.raises(Exception, match="must equal the weight's K"):
-        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 60]), packed, paddle.ones([1, 32]))
+        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 60]), packed, paddle.ones([1, 32]), 1)
     with pytest.raises(Exception, match="one value per output channel"):
-        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed, paddle.ones([2, 32]))
+        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed, paddle.ones([2, 32]), 2)
     with pytest.raises(Exception, match="int8"):
-        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed.astype("int32"), paddle.ones([1, 32]))
+        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed.astype("int32"), paddle.ones([1, 32]), 1)
+    with pytest.raises(Exception, match="pieces must be 1"):
+        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed, paddle.ones([1, 32]), 3)
 
 
-def test_w8a8_layers_take_the_quad_layout_and_keep_their_weights(cpu_kernels, monkeypatch):
-    monkeypatch.setattr(CpuOps, "w8a8_int_dot", True)  # the layout works on any build
+# (method, its ops-table switch, activation pieces, relative distance from its float32 formula)
+METHODS = {"w8a8": (W8A8, "w8a8_int_dot", 1, 2e-6), "wint8": (WeightOnlyInt8, "wint8_int_dot", 2, 2e-4)}
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_layers_take_the_quad_layout_and_keep_their_weights(method, cpu_kernels, monkeypatch):
+    cls, switch, pieces, tolerance = METHODS[method]
+    monkeypatch.setattr(CpuOps, switch, True)  # the layout works on any build
     rng = np.random.default_rng(12)
     set_current_ops(CpuOps())
-    quantizer = W8A8()
+    quantizer = cls()
     layer = Linear(384, 96, quant_config=quantizer, prefix="model.layers.0.mlp.down_proj")
     layer.weight.weight_loader(layer.weight, gaussian(rng, (96, 384)))
     x = paddle.to_tensor(gaussian(rng, (5, 384)))
@@ -136,20 +183,24 @@ def test_w8a8_layers_take_the_quad_layout_and_keep_their_weights(cpu_kernels, mo
     assert tuple(layer.weight_scale.shape) == (1, 96)
     np.testing.assert_array_equal(quantizer.dequantize(layer).numpy(), dequantized)
     got = layer(x).numpy()
-    np.testing.assert_array_equal(got, formula(x.numpy(), codes, ws))
-    assert float(np.abs(got - want).max() / np.abs(want).max()) <= 2e-6
+    np.testing.assert_array_equal(got, formula(x.numpy(), codes, ws, pieces))
+    assert float(np.abs(got - want).max() / np.abs(want).max()) <= tolerance
+    # a row's result does not depend on the rows batched with it
+    np.testing.assert_array_equal(layer(x[2:3]).numpy(), got[2:3])
     quantizer.process_weights_after_loading(layer)  # a second call leaves it as it is
     assert tuple(layer.weight.shape) == (3, 96, 32, 4)
     # the reference formula reads the packed storage handed back by the ops table
     np.testing.assert_array_equal(quantizer.reference_op(x, *quantizer.reference_args(layer)).numpy(), want)
 
 
+@pytest.mark.parametrize("method", sorted(METHODS))
 @pytest.mark.parametrize("case", ["groups", "k-not-multiple-of-4", "code--128", "switched-off"])
-def test_w8a8_keeps_the_float_products_where_the_quad_layout_does_not_apply(case, cpu_kernels, monkeypatch):
-    monkeypatch.setattr(CpuOps, "w8a8_int_dot", case != "switched-off")
+def test_layers_keep_the_float_products_where_the_quad_layout_does_not_apply(method, case, cpu_kernels, monkeypatch):
+    cls, switch, _, _ = METHODS[method]
+    monkeypatch.setattr(CpuOps, switch, case != "switched-off")
     rng = np.random.default_rng(21)
     set_current_ops(CpuOps())
-    quantizer = W8A8({"group_size": 32}) if case == "groups" else W8A8()
+    quantizer = cls({"group_size": 32}) if case == "groups" else cls()
     K = 66 if case == "k-not-multiple-of-4" else 64
     layer = Linear(K, 64, quant_config=quantizer, prefix="model.layers.0.mlp.down_proj")
     layer.weight.weight_loader(layer.weight, gaussian(rng, (64, K)))
@@ -162,3 +213,18 @@ def test_w8a8_keeps_the_float_products_where_the_quad_layout_does_not_apply(case
     quantizer.process_weights_after_loading(layer)
     assert layer.weight.ndim == 3  # the column tiles of fd_int8_linear
     assert float(np.abs(layer(x).numpy() - want).max() / np.abs(want).max()) <= 2e-6
+
+
+def test_each_method_keeps_its_own_switch(cpu_kernels, monkeypatch):
+    """FD_W8A8_INT_DOT=0 leaves w8a8 on float products even though wint8 (its base) takes quads."""
+    monkeypatch.setattr(CpuOps, "w8a8_int_dot", False)
+    monkeypatch.setattr(CpuOps, "wint8_int_dot", True)
+    set_current_ops(CpuOps())
+    rng = np.random.default_rng(3)
+    layers = {}
+    for cls in (W8A8, WeightOnlyInt8):
+        layer = Linear(64, 64, quant_config=cls(), prefix="model.layers.0.mlp.down_proj")
+        layer.weight.weight_loader(layer.weight, gaussian(rng, (64, 64)))
+        cls().process_weights_after_loading(layer)
+        layers[cls.name] = layer.weight.ndim
+    assert layers == {"w8a8": 3, "wint8": 4}

@@ -1,14 +1,21 @@
-// W8A8 linear layers for the cpu device (--quantization w8a8): int8 weights with one scale per
-// output channel times int8 activations with one dynamic scale per row, multiplied as integers.
+// Linear layers with int8 weights (one scale per output channel) multiplied as integers by the
+// rows of x rounded per row: --quantization w8a8 (one int8 piece) and wint8 (two int8 pieces,
+// 16-bit activations).
 //
-//   xq[m, k] = round(clamp(x[m, k] / xs[m], -127, 127)), xs[m] = max_k |x[m, k]| / 127 (1 for a
-//              zero row); round to nearest, ties to even (paddle.round), the division float32;
-//   y[m, n]  = (float(sum_k xq[m, k] q[k, n]) * ws[n]) * xs[m], the sum exact in int32.
+//   pieces 1 (w8a8): xq[m, k] = round(clamp(x[m, k] / xs[m], -127, 127)), xs[m] = max_k |x[m, k]| / 127
+//              (1 for a zero row); round to nearest, ties to even (paddle.round), the division float32;
+//              y[m, n] = (float(sum_k xq[m, k] q[k, n]) * ws[n]) * xs[m], the sum exact in int32.
+//   pieces 2 (wint8): a[m, k] = round(clamp(x[m, k] / xs[m], -32639, 32639)), xs[m] = max_k |x| / 32639,
+//              split a = 256 hi + lo (hi = (a + 128) >> 8 in [-127, 127], lo in [-128, 127]);
+//              y[m, n] = (fma(float(sum_k hi q), 256, float(sum_k lo q)) * ws[n]) * xs[m], each sum
+//              exact in int32. Each row's rounding depends on that row alone, so a request's
+//              outputs do not depend on the rows batched with it; the activations' relative error
+//              is at most 1/65278 of the row's largest value (wint8's weights: 1/254 of a column's).
 //
-// The integer sum is exact, so the result is one rounding of it to float32 and two products:
-// tests compare it bit for bit with that formula. The float32 reference of the quantizer
-// (weight_only.int8_linear_reference with act_int8) sums the same products in float32, so the two
-// differ by that summation's rounding only.
+// The integer sums are exact, so the result is one rounding of each to float32 and a few float
+// operations: tests compare it bit for bit with that formula. The float32 reference formulas
+// (weight_only.int8_linear_reference) sum the products in float32 instead; pieces 2 also
+// differs from wint8's formula by the activations' rounding.
 //
 // Layout. q is int8 [N / 32, K / 4, 32, 4]: element (t, c, n, j) is q[4 c + j, 32 t + n], so a
 // 64-byte load is 16 columns x 4 consecutive k, one column per 32-bit lane, as vpdpbusd takes
@@ -43,14 +50,17 @@ constexpr int64_t kCols = 32;                 // output columns per tile
 constexpr int64_t kQuad = 4;                  // k per 32-bit lane
 constexpr int64_t kQuadBytes = kCols * kQuad;  // one quad of k of one tile: 128 bytes
 constexpr int64_t kPrefetchBytes = 2048;      // how far ahead a few-row tile asks for weights
-constexpr float kMaxCode = 127.f;            // codes in [-127, 127]
+constexpr int kPieceMax = 32639;              // two pieces: |a| bound, a = 256 hi + lo with hi, lo int8
 
-// The rows of x as int8 codes, their scales and what the integer sums carry beyond sum q xq
-// (128 * the sum of the row's codes where the weights are flipped, see above).
+// The largest code of a row rounded to `pieces` int8 pieces.
+inline float max_code(int pieces) { return pieces == 1 ? 127.f : static_cast<float>(kPieceMax); }
+
+// The rows of x as int8 pieces, their scales and what each piece's integer sums carry beyond
+// sum q piece (128 * the sum of the row's piece where the weights are flipped, see above).
 struct Rows {
-  std::vector<int8_t> q;     // [M, K]
+  std::vector<int8_t> q;     // [pieces, M, K]: the codes (one piece), or the high then the low pieces
   std::vector<float> scale;  // [M]
-  std::vector<int32_t> bias; // [M]
+  std::vector<int32_t> bias; // [pieces, M]
 };
 
 #if defined(FD_INT8_DOT)
@@ -60,13 +70,29 @@ constexpr int32_t kFlipBias = kDotU8Centred ? 0 : 128;
 constexpr int32_t kFlipBias = 0;
 #endif
 
-void quantize_rows(const float* x, int64_t M, int64_t K, Rows* out) {
-  out->q.resize(static_cast<size_t>(M * K));
+// One code's pieces: the code itself, or hi = (a + 128) >> 8 and lo = a - 256 hi.
+inline void split_code(int a, int pieces, int8_t* hi, int8_t* lo, int32_t* sum_hi, int32_t* sum_lo) {
+  if (pieces == 1) {
+    *hi = static_cast<int8_t>(a);
+    *sum_hi += a;
+    return;
+  }
+  const int h = (a + 128) >> 8;
+  *hi = static_cast<int8_t>(h);
+  *lo = static_cast<int8_t>(a - 256 * h);
+  *sum_hi += h;
+  *sum_lo += a - 256 * h;
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int pieces, Rows* out) {
+  out->q.resize(static_cast<size_t>(pieces * M * K));
   out->scale.resize(M);
-  out->bias.resize(M);
+  out->bias.resize(pieces * M);
+  const float top = max_code(pieces);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
-    int8_t* qr = out->q.data() + m * K;
+    int8_t* hr = out->q.data() + m * K;
+    int8_t* lr = out->q.data() + (M + m) * K;  // the low pieces (two pieces only)
     float amax = 0.f;
     int64_t k = 0;
 #if defined(FD_INT8_DOT)
@@ -75,34 +101,44 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Rows* out) {
     amax = reduce_max_f(vmax);
 #endif
     for (; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-    const float s = amax > 0.f ? amax / kMaxCode : 1.f;
+    const float s = amax > 0.f ? amax / top : 1.f;
     out->scale[m] = s;
-    int32_t sum = 0;
+    int32_t sum_hi = 0, sum_lo = 0;
     k = 0;
 #if defined(FD_INT8_DOT)
-    const F32 vs = set1_f(s), hi = set1_f(kMaxCode), lo = set1_f(-kMaxCode);
-    I32 vsum = zero_i();
+    const F32 vs = set1_f(s), hi = set1_f(top), lo = set1_f(-top);
+    const I32 half = set1_i(128);
+    I32 vsum_hi = zero_i(), vsum_lo = zero_i();
     for (; k + 16 <= K; k += 16) {
-      // Clamped first (|v| may pass 127 by a rounding of the scale), then rounded to nearest
-      // even by the conversion, as paddle.round and std::nearbyint.
+      // Clamped first (|v| may pass the top code by a rounding of the scale), then rounded to
+      // nearest even by the conversion, as paddle.round and std::nearbyint.
       const I32 qi = round_i(min_f(hi, max_f(lo, div_f(load_f(xr + k), vs))));
-      vsum = add_i(vsum, qi);
-      store_bytes(qr + k, qi);
+      if (pieces == 1) {
+        vsum_hi = add_i(vsum_hi, qi);
+        store_bytes(hr + k, qi);
+      } else {
+        const I32 h = sar_i(add_i(qi, half), 8), l = sub_i(qi, shl_i(h, 8));
+        vsum_hi = add_i(vsum_hi, h);
+        vsum_lo = add_i(vsum_lo, l);
+        store_bytes(hr + k, h);
+        store_bytes(lr + k, l);
+      }
     }
-    sum = reduce_add_i(vsum);
+    sum_hi = reduce_add_i(vsum_hi);
+    sum_lo = reduce_add_i(vsum_lo);
 #endif
     for (; k < K; ++k) {
-      const int q = static_cast<int>(std::nearbyint(std::min(kMaxCode, std::max(-kMaxCode, xr[k] / s))));
-      qr[k] = static_cast<int8_t>(q);
-      sum += q;
+      const int a = static_cast<int>(std::nearbyint(std::min(top, std::max(-top, xr[k] / s))));
+      split_code(a, pieces, hr + k, lr + k, &sum_hi, &sum_lo);
     }
-    out->bias[m] = kFlipBias * sum;
+    out->bias[m] = kFlipBias * sum_hi;
+    if (pieces == 2) out->bias[M + m] = kFlipBias * sum_lo;
   }
 }
 
 struct Problem {
-  const int8_t* xq;     // [M, K]
-  const int32_t* bias;  // [M]
+  const int8_t* xq;     // [pieces, M, K]
+  const int32_t* bias;  // [pieces, M]
   const float* xs;      // [M]
   const int8_t* w;      // [N / 32, K / 4, 32, 4]
   const float* ws;      // [N]
@@ -112,54 +148,71 @@ struct Problem {
 
 #if defined(FD_INT8_DOT)
 // Rows per register block: 8 rows x 2 vectors of int32 sums in zmm registers (16 of 32), or 2
-// rows of AVX2 register pairs (8 of 16 ymm, the rest for the weights and vpmaddubsw's operands).
-constexpr int kBlock = FD_INT8_DOT == 512 ? 8 : 2;
+// rows of AVX2 register pairs (8 of 16 ymm, the rest for the weights and vpmaddubsw's operands);
+// half as many with two pieces (a sum per piece).
+template <int PIECES>
+constexpr int kBlock = (FD_INT8_DOT == 512 ? 8 : 2) / PIECES;
 
-template <int ROWS>
+template <int ROWS, int PIECES>
 void tile(const Problem& p, int64_t m, int64_t t) {
   const int8_t* wt = p.w + t * (p.K / kQuad) * kQuadBytes;
   const I32 flip = set1_i(static_cast<int32_t>(0x80808080u));
-  I32 acc[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = zero_i();
+  I32 acc[ROWS][PIECES][2];
+  for (int r = 0; r < ROWS; ++r)
+    for (int q = 0; q < PIECES; ++q) acc[r][q][0] = acc[r][q][1] = zero_i();
+  const int64_t piece_stride = p.M * p.K;
   const int8_t* xr = p.xq + m * p.K;
   for (int64_t c = 0; c < p.K / kQuad; ++c) {
     const int8_t* src = wt + c * kQuadBytes;
     if (ROWS <= 2) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
     if (ROWS <= 2) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes + 64), _MM_HINT_T0);
     const I32 u0 = xor_i(load_i(src), flip), u1 = xor_i(load_i(src + 64), flip);
-    for (int r = 0; r < ROWS; ++r) {
-      int32_t four;
-      std::memcpy(&four, xr + r * p.K + c * kQuad, 4);
-      const I32 xv = set1_i(four);
-      acc[r][0] = dot_u8(acc[r][0], u0, xv);
-      acc[r][1] = dot_u8(acc[r][1], u1, xv);
-    }
+    for (int r = 0; r < ROWS; ++r)
+      for (int q = 0; q < PIECES; ++q) {
+        int32_t four;
+        std::memcpy(&four, xr + q * piece_stride + r * p.K + c * kQuad, 4);
+        const I32 xv = set1_i(four);
+        acc[r][q][0] = dot_u8(acc[r][q][0], u0, xv);
+        acc[r][q][1] = dot_u8(acc[r][q][1], u1, xv);
+      }
   }
   const float* ws = p.ws + t * kCols;
   const F32 ws0 = load_f(ws), ws1 = load_f(ws + 16);
   for (int r = 0; r < ROWS; ++r) {
-    const I32 b = set1_i(p.bias[m + r]);
     const F32 xs = set1_f(p.xs[m + r]);
+    F32 v[2];
+    for (int h = 0; h < 2; ++h) {
+      v[h] = to_f(sub_i(acc[r][0][h], set1_i(p.bias[m + r])));
+      if constexpr (PIECES == 2)
+        v[h] = fmadd(v[h], set1_f(256.f), to_f(sub_i(acc[r][1][h], set1_i(p.bias[p.M + m + r]))));
+    }
     float* yr = p.y + (m + r) * p.N + t * kCols;
-    store_f(yr, mul_f(mul_f(to_f(sub_i(acc[r][0], b)), ws0), xs));
-    store_f(yr + 16, mul_f(mul_f(to_f(sub_i(acc[r][1], b)), ws1), xs));
+    store_f(yr, mul_f(mul_f(v[0], ws0), xs));
+    store_f(yr + 16, mul_f(mul_f(v[1], ws1), xs));
   }
 }
 
+template <int PIECES>
 void gemm(const Problem& p) {
   fd_kernels::run_row_panels(p.M, p.N / kCols, [&p](int64_t t, int64_t m_begin, int64_t m_end) {
-    fd_kernels::row_blocks<kBlock>(m_begin, m_end, [&](auto rows, int64_t m) { tile<decltype(rows)::value>(p, m, t); });
+    fd_kernels::row_blocks<kBlock<PIECES>>(m_begin, m_end,
+                                           [&](auto rows, int64_t m) { tile<decltype(rows)::value, PIECES>(p, m, t); });
   });
 }
 #else
 // The same integers without integer dot products.
+template <int PIECES>
 void gemm(const Problem& p) {
   for (int64_t m = 0; m < p.M; ++m)
     for (int64_t n = 0; n < p.N; ++n) {
       const int8_t* wt = p.w + (n / kCols) * (p.K / kQuad) * kQuadBytes + (n % kCols) * kQuad;
-      int32_t sum = 0;
-      for (int64_t k = 0; k < p.K; ++k) sum += p.xq[m * p.K + k] * wt[(k / kQuad) * kQuadBytes + k % kQuad];
-      p.y[m * p.N + n] = (static_cast<float>(sum) * p.ws[n]) * p.xs[m];
+      int32_t sum[2] = {0, 0};
+      for (int q = 0; q < PIECES; ++q)
+        for (int64_t k = 0; k < p.K; ++k)
+          sum[q] += p.xq[(q * p.M + m) * p.K + k] * wt[(k / kQuad) * kQuadBytes + k % kQuad];
+      float v = static_cast<float>(sum[0]);
+      if (PIECES == 2) v = std::fma(v, 256.f, static_cast<float>(sum[1]));
+      p.y[m * p.N + n] = (v * p.ws[n]) * p.xs[m];
     }
 }
 #endif
@@ -173,7 +226,8 @@ std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
 }  // namespace
 
 std::vector<paddle::Tensor> W8a8Linear(const paddle::Tensor& x_in, const paddle::Tensor& weight,
-                                       const paddle::Tensor& scale) {
+                                       const paddle::Tensor& scale, int64_t pieces) {
+  PD_CHECK(pieces == 1 || pieces == 2, "pieces must be 1 (int8 activations) or 2 (16-bit), got ", pieces);
   PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32, "x must be float32");
   PD_CHECK(weight.dtype() == paddle::DataType::INT8, "weight must be int8");
   const auto& ws = weight.shape();
@@ -187,10 +241,11 @@ std::vector<paddle::Tensor> W8a8Linear(const paddle::Tensor& x_in, const paddle:
     const paddle::Tensor x = x_in.contiguous();
     const int64_t M = K > 0 ? x.numel() / K : 0;
     Rows rows;
-    quantize_rows(x.data<float>(), M, K, &rows);
+    quantize_rows(x.data<float>(), M, K, static_cast<int>(pieces), &rows);
     const Problem p{rows.q.data(), rows.bias.data(), rows.scale.data(), static_cast<const int8_t*>(weight.data()),
                     scale.data<float>(), out.data<float>(), M, K, N};
-    if (M > 0) gemm(p);
+    if (M > 0 && pieces == 1) gemm<1>(p);
+    if (M > 0 && pieces == 2) gemm<2>(p);
   });
   return {out};
 }
@@ -207,6 +262,7 @@ std::vector<paddle::DataType> W8a8Dtype(const paddle::DataType&, const paddle::D
 PD_BUILD_OP(fd_w8a8_linear)
     .Inputs({"X", "Weight", "Scale"})
     .Outputs({"Out"})
+    .Attrs({"pieces: int64_t"})
     .SetKernelFn(PD_KERNEL(W8a8Linear))
     .SetInferShapeFn(PD_INFER_SHAPE(W8a8Shape))
     .SetInferDtypeFn(PD_INFER_DTYPE(W8a8Dtype));
