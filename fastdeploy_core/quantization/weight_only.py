@@ -3,8 +3,9 @@
 Activations stay float32; weights are stored compact in Paddle's ``[in, out]`` orientation
 and widened inside the matmul (the cpu device's C++ kernel reads them directly). A device may
 lay them out for integer products instead (``ops.prepare_wint8_weights``, ``ops.prepare_int4_weights``):
-the cpu device with integer dot products rounds each activation row to 16 bits held as two int8
-pieces, a row at a time, so outputs stay independent of the batch.
+the cpu device with integer dot products rounds the activations to 16 bits held as two int8
+pieces (wint8 per row, wint4 per block of 32 inputs), each row by itself, so outputs stay
+independent of the batch.
 
 * ``wint8``: ``weight int8 [K, N]``, ``weight_scale [G, N]`` with ``w = q * scale``,
   ``q`` in [-127, 127], ``scale = max|w| / 127`` per output channel (``G = 1``) or per group of

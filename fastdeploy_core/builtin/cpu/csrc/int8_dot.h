@@ -22,6 +22,14 @@
 #define FD_INT8_DOT 256
 #endif
 
+// A 16-bit code a (|a| <= kPieceMax) as two int8 pieces, a = 256 hi + lo: hi = (a + 128) >> 8
+// = round(a / 256) in [-127, 127], lo = a - 256 hi in [-128, 127]. The 16-bit activations of
+// fd_int4_linear (per block of 32) and fd_w8a8_linear's two pieces (per row); any build.
+namespace fd_int8_pieces {
+constexpr int kPieceMax = 32639;
+inline int high_piece(int a) { return (a + 128) >> 8; }
+}  // namespace fd_int8_pieces
+
 #if defined(FD_INT8_DOT)
 namespace fd_int8_dot {
 
@@ -187,6 +195,9 @@ inline void store_bytes(int8_t* p, I32 a) {
 #endif
 
 inline I32 set1_bytes(uint8_t v) { return set1_i(static_cast<int32_t>(0x01010101u * v)); }
+// fd_int8_pieces' split, 16 codes at a time: the high pieces, and the low ones given them.
+inline I32 high_piece(I32 a) { return sar_i(add_i(a, set1_i(128)), 8); }
+inline I32 low_piece(I32 a, I32 hi) { return sub_i(a, shl_i(hi, 8)); }
 
 }  // namespace fd_int8_dot
 #endif  // FD_INT8_DOT

@@ -50,7 +50,7 @@ constexpr int64_t kCols = 32;                 // output columns per tile
 constexpr int64_t kQuad = 4;                  // k per 32-bit lane
 constexpr int64_t kQuadBytes = kCols * kQuad;  // one quad of k of one tile: 128 bytes
 constexpr int64_t kPrefetchBytes = 2048;      // how far ahead a few-row tile asks for weights
-constexpr int kPieceMax = 32639;              // two pieces: |a| bound, a = 256 hi + lo with hi, lo int8
+using fd_int8_pieces::kPieceMax;  // two pieces: |a| bound, a = 256 hi + lo with hi, lo int8
 
 // The largest code of a row rounded to `pieces` int8 pieces.
 inline float max_code(int pieces) { return pieces == 1 ? 127.f : static_cast<float>(kPieceMax); }
@@ -70,14 +70,14 @@ constexpr int32_t kFlipBias = kDotU8Centred ? 0 : 128;
 constexpr int32_t kFlipBias = 0;
 #endif
 
-// One code's pieces: the code itself, or hi = (a + 128) >> 8 and lo = a - 256 hi.
+// One code's pieces: the code itself, or hi and lo (fd_int8_pieces).
 inline void split_code(int a, int pieces, int8_t* hi, int8_t* lo, int32_t* sum_hi, int32_t* sum_lo) {
   if (pieces == 1) {
     *hi = static_cast<int8_t>(a);
     *sum_hi += a;
     return;
   }
-  const int h = (a + 128) >> 8;
+  const int h = fd_int8_pieces::high_piece(a);
   *hi = static_cast<int8_t>(h);
   *lo = static_cast<int8_t>(a - 256 * h);
   *sum_hi += h;
@@ -107,7 +107,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int pieces, Rows* out) 
     k = 0;
 #if defined(FD_INT8_DOT)
     const F32 vs = set1_f(s), hi = set1_f(top), lo = set1_f(-top);
-    const I32 half = set1_i(128);
     I32 vsum_hi = zero_i(), vsum_lo = zero_i();
     for (; k + 16 <= K; k += 16) {
       // Clamped first (|v| may pass the top code by a rounding of the scale), then rounded to
@@ -117,7 +116,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int pieces, Rows* out) 
         vsum_hi = add_i(vsum_hi, qi);
         store_bytes(hr + k, qi);
       } else {
-        const I32 h = sar_i(add_i(qi, half), 8), l = sub_i(qi, shl_i(h, 8));
+        const I32 h = high_piece(qi), l = low_piece(qi, h);
         vsum_hi = add_i(vsum_hi, h);
         vsum_lo = add_i(vsum_lo, l);
         store_bytes(hr + k, h);

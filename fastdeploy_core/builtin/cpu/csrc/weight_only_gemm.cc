@@ -424,7 +424,7 @@ constexpr int64_t kVnniChunk = 8;                  // k per chunk
 // against vpdpbusd's 4-cycle latency on AVX-512. AVX2's products chain through a 1-cycle add,
 // and a second set of accumulators would not fit its 16 registers (it spilled).
 constexpr bool kSplitOneRow = FD_INT8_DOT == 512;
-constexpr int kPieceMax = 32639;                   // |a| bound: a = 256 * hi + lo with hi, lo int8
+using fd_int8_pieces::kPieceMax;  // |a| bound: a = 256 * hi + lo with hi, lo int8
 constexpr int64_t kVnniPrefetch = 4096;            // bytes ahead in the weight stream (prefetchnta)
 constexpr int64_t kVnniTileBytes = kCols * 4;      // bytes per chunk of one tile (128)
 
@@ -610,7 +610,6 @@ void split_rows_16bit(const float* x, int64_t M, int64_t K, int64_t block, int64
                       float* bscale, int32_t* bsum8) {
   const F32 zero = zero_f();
   const I32 lim = set1_i(kPieceMax), nlim = set1_i(-kPieceMax);
-  const I32 half = set1_i(128);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     for (int64_t b = 0; b < NB; ++b) {
@@ -630,15 +629,15 @@ void split_rows_16bit(const float* x, int64_t M, int64_t K, int64_t block, int64
         I32 q = round_i(mul_f(load_f(xr + k), vinv));
         q = max_i(nlim, min_i(lim, q));
         vsum = add_i(vsum, q);
-        const I32 h = sar_i(add_i(q, half), 8);  // round(a / 256)
-        const I32 l = sub_i(q, shl_i(h, 8));       // in [-128, 127]
+        const I32 h = high_piece(q);  // round(a / 256)
+        const I32 l = low_piece(q, h);  // in [-128, 127]
         store_bytes(xhi + m * K + k, h);
         store_bytes(xlo + m * K + k, l);
       }
       for (; k < ke; ++k) {
         const int q = std::max(-kPieceMax, std::min(kPieceMax, static_cast<int>(std::nearbyint(xr[k] * inv))));
         sum += q;
-        const int h = (q + 128) >> 8;
+        const int h = fd_int8_pieces::high_piece(q);
         xhi[m * K + k] = static_cast<int8_t>(h);
         xlo[m * K + k] = static_cast<int8_t>(q - 256 * h);
       }
@@ -758,7 +757,6 @@ void vnni32_gemm(const Vnni32& p) {
 void vnni32_panel(const float* x, int64_t M, int64_t K, bool act_int8, int8_t* panel, float* meta) {
   const int64_t NB = K / 32;
   const I32 lim = set1_i(kPieceMax), nlim = set1_i(-kPieceMax);
-  const I32 half = set1_i(128);
   for (int64_t b = 0; b < NB; ++b)
     for (int64_t m = 0; m < M; ++m) {
       const float* xr = x + m * K + b * 32;
@@ -782,10 +780,9 @@ void vnni32_panel(const float* x, int64_t M, int64_t K, bool act_int8, int8_t* p
       q1 = max_i(nlim, min_i(lim, q1));
       const int32_t start = -8 * reduce_add_i(add_i(q0, q1));
       std::memcpy(mt + 1, &start, 4);
-      const I32 h0 = sar_i(add_i(q0, half), 8);
-      const I32 h1 = sar_i(add_i(q1, half), 8);
-      store_bytes(out, sub_i(q0, shl_i(h0, 8)));
-      store_bytes(out + 16, sub_i(q1, shl_i(h1, 8)));
+      const I32 h0 = high_piece(q0), h1 = high_piece(q1);
+      store_bytes(out, low_piece(q0, h0));
+      store_bytes(out + 16, low_piece(q1, h1));
       store_bytes(out + 32, h0);
       store_bytes(out + 48, h1);
     }
