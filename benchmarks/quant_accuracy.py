@@ -39,6 +39,8 @@ METHODS = {
     "wint4": "wint4",
     "wint4_g128": '{"quantization": "wint4", "group_size": 128}',
     "wint8_float_head": '{"quantization": "wint8", "lm_head_quant_type": null}',
+    # wint8 through fd_int8_linear's float32 loop instead of the integer products (CpuOps.wint8_int_dot)
+    "wint8:fma": "wint8",
     "w8a8": "w8a8",
     "w8a8_w8a8_head": '{"quantization": "w8a8", "lm_head_quant_type": "w8a8"}',
     "w4a8": "w4a8",
@@ -86,10 +88,14 @@ def main() -> None:
                     entry["prompt_logprobs"] = out.prompt_logprobs
         return outs
 
+    from fastdeploy_core.builtin.cpu.ops import CpuOps
+
+    quads_default = CpuOps.wint8_int_dot
     results: dict[str, dict] = {}
     reference: dict | None = None
     for name in args.methods.split(","):
         spec = METHODS[name]
+        CpuOps.wint8_int_dot = quads_default and not name.endswith(":fma")
         t0 = time.perf_counter()
         settings = {"model": args.model, "max_model_len": 1024, "num_gpu_blocks_override": 64, "block_size": 64}
         if isinstance(spec, dict):
