@@ -16,6 +16,7 @@ import numpy as np
 import paddle
 import pytest
 
+from fastdeploy_core.builtin.cpu.kernels import has_avx512_bf16
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
 from fastdeploy_core.testing.checks import cos_sin_cache
@@ -110,6 +111,49 @@ def test_paged_attention_every_head_size_and_work_split(specs, heads, kv_heads, 
         )
         out = _attend(cpu_kernels, paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), meta, scale, window)
         np.testing.assert_allclose(out.numpy().reshape(want.shape), want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+#: Cache dtypes and attention paths this CPU runs (bfloat16 path 2 is vdpbf16ps, path 1 widening).
+CACHE_PATHS = [
+    ("float32", 0),
+    ("bfloat16", 1),
+    pytest.param("bfloat16", 2, marks=pytest.mark.skipif(not has_avx512_bf16(), reason="this CPU has no AVX-512 BF16")),
+]
+
+
+@pytest.mark.parametrize("cache_dtype,path", CACHE_PATHS, ids=["float32", "bf16_widen", "bf16_dot"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 32), (4, 4, 16), (6, 2, 24), (2, 1, 128)])
+def test_many_decodes_give_each_row_the_bits_it_gets_alone(cache_dtype, path, heads, kv_heads, head_dim, cpu_kernels):
+    """A step with enough decode tokens puts the query heads of several kv heads of a token in
+    one work item (9 heads of 3 kv heads at SmolLM2's shape); a token decoded alone has one item
+    per kv head. Each row's result must be the same bits either way (and beside a prompt chunk),
+    whatever the batch: requests' tokens do not depend on what they are batched with."""
+    block_size, num_blocks = 16, 400
+    specs = [(1, c) for c in (5, 40, 63, 64, 100, 17, 250, 1, 129, 77, 31, 200)] + [(20, 33)]
+    rng = np.random.default_rng(21)
+    pool = BlockPool(num_blocks, seed=9)
+    chunks = [(list(range(q)), ctx, pool.take(blocks_for(q + ctx, block_size))) for q, ctx in specs]
+    total = sum(q for q, _ in specs)
+    q = paddle.to_tensor(rng.standard_normal((total, heads, head_dim)).astype(np.float32))
+    k = paddle.to_tensor(rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float32))
+    v = paddle.to_tensor(rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float32))
+    if cache_dtype == "bfloat16":
+        k, v = k.astype("bfloat16"), v.astype("bfloat16")
+    scale = head_dim**-0.5
+
+    def attend(meta, rows):
+        step = (paddle.to_tensor(meta.query_start_loc), paddle.to_tensor(meta.seq_lens), paddle.to_tensor(meta.block_tables))
+        return cpu_kernels.fd_paged_attention(rows, k, v, *step, scale, 0, path).numpy()
+
+    batch = attend(build_meta(chunks, block_size), q)
+    want = ReferenceOps().paged_attention(q, k.astype("float32"), v.astype("float32"), build_meta(chunks, block_size), scale, None)
+    tol = 1e-4 if cache_dtype == "float32" else 2e-2  # the bfloat16 formula rounds queries and weights
+    np.testing.assert_allclose(batch.reshape(want.shape), want.numpy(), rtol=tol, atol=tol)
+    start = 0
+    for chunk, (q_len, _) in zip(chunks, specs):
+        alone = attend(build_meta([chunk], block_size), q[start : start + q_len])
+        np.testing.assert_array_equal(batch[start : start + q_len], alone)
+        start += q_len
 
 
 @pytest.mark.parametrize("specs", [[(1, 2000)], [(64, 1900)]], ids=["decode", "prompt_chunk"])

@@ -264,7 +264,20 @@ struct Item {
   int64_t seq, t_begin, t_end, g;
   int64_t k_lo, k_hi;  // keys k_lo .. k_hi (inclusive) are visited
   int64_t partial;     // -1: the item writes the output; else its slot in the partial buffers
+  int64_t heads = 1;   // kv heads g .. g + heads - 1 (more than one: a decode token, see below)
 };
+
+// A decode token's item may hold the query heads of several kv heads (every head of the token
+// when the group is small): the rows of a decode item otherwise fill 3 of a vector's 16 lanes at
+// SmolLM2's group of 3, and the online softmax, the masks and the per-item set-up cost per
+// vector, not per row. Each row's arithmetic is unchanged (its scores, weights and output are
+// computed by the same code in the same order, lane by lane), so the results are the same bits
+// either way. Only on the paths that compute a tile's scores and weighted values per row group
+// (float32 cache; bfloat16 cache with vdpbf16ps), and only when the step has enough decode tokens
+// to keep the threads busy without splitting keys.
+inline int64_t decode_heads_per_item(int64_t group, int64_t kvh) {
+  return std::max<int64_t>(1, std::min<int64_t>(kvh, (kNarrowRows - 1) / group));
+}
 
 struct AttentionJob {
   const float* q;  // [T, h, d]
@@ -343,10 +356,9 @@ void scores_narrow_fixed(const float* qr, int64_t m, int64_t mp, const float* k,
   }
 }
 
-void scores_narrow(const float* qr, int64_t m, int64_t mp, const float* k, const int64_t* off, int64_t nk, int64_t d,
-                   float* st) {
-  for (int64_t j = 0; j < nk; ++j)
-    for (int64_t r = m; r < mp; ++r) st[j * mp + r] = 0.f;  // padding rows: finite, never read back
+// Rows 0 .. m - 1 of st (stride mp) only: a grouped decode item calls it once per kv head.
+void scores_narrow_rows(const float* qr, int64_t m, int64_t mp, const float* k, const int64_t* off, int64_t nk,
+                        int64_t d, float* st) {
   switch (d) {
     case 16: return scores_narrow_fixed<1>(qr, m, mp, k, off, nk, st);
     case 32: return scores_narrow_fixed<2>(qr, m, mp, k, off, nk, st);
@@ -356,6 +368,12 @@ void scores_narrow(const float* qr, int64_t m, int64_t mp, const float* k, const
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < nk; ++j) st[j * mp + r] = dot(qr + r * d, k + off[j], d);
   }
+}
+
+// Padding rows m .. mp - 1 of st zeroed (finite, never read back).
+inline void zero_padding_rows(float* st, int64_t m, int64_t mp, int64_t nk) {
+  for (int64_t j = 0; j < nk; ++j)
+    for (int64_t r = m; r < mp; ++r) st[j * mp + r] = 0.f;
 }
 
 // o[r] = o[r] * alpha[r] + sum_j p[j * mp + r] * value_j for rows r0 .. r0 + R - 1, head size
@@ -418,7 +436,9 @@ void attend_item(void* ctx, int64_t index) {
   const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
   const Item& it = j.items[index];
   const int64_t group = j.group, d = j.d, h = j.num_heads;
-  const int64_t m = (it.t_end - it.t_begin) * group, mp = (m + 15) / 16 * 16;
+  // Rows: token-major, then the query heads of kv heads it.g .. it.g + it.heads - 1.
+  const int64_t token_rows = group * it.heads;
+  const int64_t m = (it.t_end - it.t_begin) * token_rows, mp = (m + 15) / 16 * 16;
   const bool narrow = m < kNarrowRows;
   thread_local std::vector<float> qr, qt, st, o, mv, lv, av, kw, vw;
   thread_local std::vector<int32_t> row_pos;
@@ -432,7 +452,7 @@ void attend_item(void* ctx, int64_t index) {
   const bool dot_pv = bf16 && j.bf16_dot && fd_bf16_attention::pv_takes(d);
   qr.assign(mp * d, 0.f);
   for (int64_t r = 0; r < m; ++r) {
-    const int64_t t = it.t_begin + r / group, head = it.g * group + r % group;
+    const int64_t t = it.t_begin + r / token_rows, head = it.g * group + r % token_rows;
     const float* src = j.q + (t * h + head) * d;
     for (int64_t c = 0; c < d; ++c) qr[r * d + c] = src[c] * j.scale;
     if (bf16)
@@ -450,7 +470,7 @@ void attend_item(void* ctx, int64_t index) {
       for (int64_t c = 0; c < d; ++c) qt[c * mp + r] = qr[r * d + c];
   }
   row_pos.resize(mp);
-  for (int64_t r = 0; r < mp; ++r) row_pos[r] = static_cast<int32_t>(j.token_pos[it.t_begin + std::min(r, m - 1) / group]);
+  for (int64_t r = 0; r < mp; ++r) row_pos[r] = static_cast<int32_t>(j.token_pos[it.t_begin + std::min(r, m - 1) / token_rows]);
   st.resize(kKeyTile * mp);
   o.assign(m * d, 0.f);
   mv.assign(mp, -INFINITY);
@@ -488,7 +508,7 @@ void attend_item(void* ctx, int64_t index) {
     if (kb + kKeyTile <= it.k_hi) {
       const int64_t nn = std::min(kKeyTile, it.k_hi + 1 - kb - kKeyTile);
       key_offsets(table, j.block_size, kb + kKeyTile, nn, row_stride, next_off.data());
-      const int64_t row_bytes = d * (bf16 ? 2 : 4);
+      const int64_t row_bytes = it.heads * d * (bf16 ? 2 : 4);
       const char* kbase = bf16 ? reinterpret_cast<const char*>(k16) : reinterpret_cast<const char*>(j.k + it.g * d);
       const char* vbase = bf16 ? reinterpret_cast<const char*>(v16) : reinterpret_cast<const char*>(j.v + it.g * d);
       const int64_t elem = bf16 ? 2 : 4;
@@ -506,21 +526,30 @@ void attend_item(void* ctx, int64_t index) {
     }
 #if defined(__x86_64__)
     if (dot_scores && narrow) {
-      for (int64_t jj = 0; jj < nk; ++jj)
-        for (int64_t r = m; r < mp; ++r) st[jj * mp + r] = 0.f;  // padding rows, as scores_narrow
+      zero_padding_rows(st.data(), m, mp, nk);
       const auto tree = [](const f32x16* part) { return sum16(part); };
-      switch (d) {
-        case 32: fd_bf16_attention::scores_narrow<1>(qb.data(), m, mp, k16, off.data(), nk, st.data(), tree); break;
-        case 64: fd_bf16_attention::scores_narrow<2>(qb.data(), m, mp, k16, off.data(), nk, st.data(), tree); break;
-        case 96: fd_bf16_attention::scores_narrow<3>(qb.data(), m, mp, k16, off.data(), nk, st.data(), tree); break;
-        default: fd_bf16_attention::scores_narrow<4>(qb.data(), m, mp, k16, off.data(), nk, st.data(), tree); break;
+      // One call per kv head of the item (its group's rows; one head but for grouped decodes).
+      const int64_t mg = it.heads > 1 ? group : m;
+      for (int64_t gi = 0; gi < it.heads; ++gi) {
+        const uint16_t* qg = qb.data() + gi * group * d;
+        const uint16_t* kg = k16 + gi * d;
+        float* sg = st.data() + gi * group;
+        switch (d) {
+          case 32: fd_bf16_attention::scores_narrow<1>(qg, mg, mp, kg, off.data(), nk, sg, tree); break;
+          case 64: fd_bf16_attention::scores_narrow<2>(qg, mg, mp, kg, off.data(), nk, sg, tree); break;
+          case 96: fd_bf16_attention::scores_narrow<3>(qg, mg, mp, kg, off.data(), nk, sg, tree); break;
+          default: fd_bf16_attention::scores_narrow<4>(qg, mg, mp, kg, off.data(), nk, sg, tree); break;
+        }
       }
     } else if (dot_scores) {
       fd_bf16_attention::scores_wide(qp.data(), mp, k16, off.data(), nk, d, st.data());
     } else
 #endif
     if (narrow) {
-      scores_narrow(qr.data(), m, mp, k, tile_off, nk, d, st.data());
+      zero_padding_rows(st.data(), m, mp, nk);
+      const int64_t mg = it.heads > 1 ? group : m;
+      for (int64_t gi = 0; gi < it.heads; ++gi)
+        scores_narrow_rows(qr.data() + gi * group * d, mg, mp, k + gi * d, tile_off, nk, d, st.data() + gi * group);
     } else {
       scores_wide(qt.data(), mp, k, tile_off, nk, d, st.data());
     }
@@ -569,22 +598,28 @@ void attend_item(void* ctx, int64_t index) {
 #if defined(__x86_64__)
     if (dot_pv) {
       fd_bf16_attention::pack_weight_pairs(st.data(), nk, mp, pp.data());
-      fd_bf16_attention::pack_value_pairs(v16, off.data(), nk, d, vp.data());
-      fd_bf16_attention::pv(pp.data(), m, mp, vp.data(), nk, d, av.data(), o.data());
+      const int64_t mg = it.heads > 1 ? group : m;
+      for (int64_t gi = 0; gi < it.heads; ++gi) {
+        fd_bf16_attention::pack_value_pairs(v16 + gi * d, off.data(), nk, d, vp.data());
+        fd_bf16_attention::pv(pp.data() + gi * group, mg, mp, vp.data(), nk, d, av.data() + gi * group,
+                              o.data() + gi * group * d);
+      }
       continue;
     }
 #endif
     if (bf16) fd_bf16_attention::round_weights(st.data(), nk, mp);
-    pv(st.data(), m, mp, v, tile_off, nk, d, av.data(), o.data());
+    const int64_t mg = it.heads > 1 ? group : m;
+    for (int64_t gi = 0; gi < it.heads; ++gi)
+      pv(st.data() + gi * group, mg, mp, v + gi * d, tile_off, nk, d, av.data() + gi * group, o.data() + gi * group * d);
   }
   if (it.partial < 0) {
     for (int64_t r = 0; r < m; ++r) {
-      const int64_t t = it.t_begin + r / group, head = it.g * group + r % group;
+      const int64_t t = it.t_begin + r / token_rows, head = it.g * group + r % token_rows;
       float* dst = j.out + (t * h + head) * d;
       const float inv = 1.f / lv[r];
       for (int64_t c = 0; c < d; ++c) dst[c] = o[r * d + c] * inv;
     }
-  } else {
+  } else {  // a split item: one kv head (grouped decode items are never split)
     std::memcpy(j.part_o + it.partial * j.rows_max * d, o.data(), m * d * sizeof(float));
     float* ml = j.part_ml + it.partial * j.rows_max * 2;
     for (int64_t r = 0; r < m; ++r) ml[2 * r] = mv[r], ml[2 * r + 1] = lv[r];
@@ -647,6 +682,18 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
   PD_CHECK(block_size * max_blocks < (int64_t{1} << 31), "positions must fit in 32 bits");
   const int64_t group = h / kvh;
   const int64_t tokens_per_item = std::max<int64_t>(1, kRowsPerItem / group);
+  const bool bf16 = is_bf16(k_cache);
+  const bool bf16_dot = bf16 && bf16_path != 1 && fd_bf16_attention::cpu_has_dot();
+  const int64_t threads = fd_kernels::Pool::instance().threads();
+  // Decode tokens' items hold several kv heads (decode_heads_per_item) on the paths that take
+  // them, when there are enough decode tokens to give every thread kItemsPerThread items anyway.
+  int64_t decode_heads = 1;
+  if (!bf16 || (bf16_dot && fd_bf16_attention::narrow_takes(k_cache.shape()[3]) &&
+                fd_bf16_attention::pv_takes(k_cache.shape()[3]))) {
+    int64_t decodes = 0;
+    for (int64_t b = 0; b < B; ++b) decodes += qs[b + 1] - qs[b] == 1;
+    if (decodes >= kItemsPerThread * threads) decode_heads = decode_heads_per_item(group, kvh);
+  }
   std::vector<int64_t> token_pos(T);
   std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b) {
@@ -661,12 +708,13 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
     for (int64_t t0 = qs[b]; t0 < qs[b + 1]; t0 += tokens_per_item) {
       const int64_t t1 = std::min(qs[b + 1], t0 + tokens_per_item);
       const int64_t k_lo = sliding_window > 0 ? std::max<int64_t>(0, token_pos[t0] - sliding_window + 1) : 0;
-      for (int64_t g = 0; g < kvh; ++g) items.push_back(Item{b, t0, t1, g, k_lo, token_pos[t1 - 1], -1});
+      const int64_t heads = q_len == 1 ? decode_heads : 1;
+      for (int64_t g = 0; g < kvh; g += heads)
+        items.push_back(Item{b, t0, t1, g, k_lo, token_pos[t1 - 1], -1, std::min(heads, kvh - g)});
     }
   }
   if (items.empty()) return;
   // Too few items for the threads (a few long decodes): split long key ranges into partials.
-  const int64_t threads = fd_kernels::Pool::instance().threads();
   const int64_t target = kItemsPerThread * threads;
   struct Split {
     int64_t item, first, count;
@@ -679,7 +727,7 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
     const Item& it = items[i];
     const int64_t keys = it.k_hi - it.k_lo + 1;
     int64_t count = 1;
-    if (threads > 1 && base < target) count = std::min((target + base - 1) / base, keys / kMinSplitKeys);
+    if (threads > 1 && base < target && it.heads == 1) count = std::min((target + base - 1) / base, keys / kMinSplitKeys);
     if (count <= 1) {
       work.push_back(it);
       continue;
@@ -702,7 +750,6 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
   const int64_t rows_max = tokens_per_item * group;
   std::vector<float> part_o(partials * rows_max * d), part_ml(partials * rows_max * 2);
   const paddle::Tensor q = q_in.contiguous();
-  const bool bf16 = is_bf16(k_cache);
   AttentionJob job{q.data<float>(),
                    bf16 ? nullptr : k_cache.data<float>(),
                    bf16 ? nullptr : v_cache.data<float>(),
@@ -718,7 +765,7 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
                    sliding_window,
                    group,
                    rows_max,
-                   bf16 && bf16_path != 1 && fd_bf16_attention::cpu_has_dot(),
+                   bf16_dot,
                    scale,
                    out,
                    work.data(),

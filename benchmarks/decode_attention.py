@@ -1,0 +1,78 @@
+"""Paged attention of a batch of decode tokens: what one decode step's attention costs.
+
+Usage: python benchmarks/decode_attention.py [--seqs 64] [--contexts 64,112,500]
+       [--cache-dtypes bfloat16,float32] [--rounds 20] [--json out.json]
+
+``fd_paged_attention`` over ``--seqs`` sequences of one new token each, at SmolLM2-135M's shape
+(9 query heads, 3 kv heads, head size 64, blocks of 64 tokens), one cache per layer for 30 layers
+(as the engine holds them, so the rows come from DRAM, not from a cache level that one layer's
+rows would fit in); the sequences' blocks are scattered over the cache. Reported: the median
+time of the 30 layers over ``--rounds`` rounds and the bytes of keys and values read per second.
+Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 64, 30
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--contexts", default="64,112,500")
+    parser.add_argument("--cache-dtypes", default="bfloat16,float32")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+    import numpy as np
+    import paddle
+
+    from fastdeploy_core.builtin.cpu.kernels import load_kernels
+    from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
+    from run_stamp import run_stamp
+
+    kernels = load_kernels()
+    if kernels is None:
+        raise SystemExit("the cpu kernels did not build on this machine")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    num_blocks = args.seqs * blocks_for(max(contexts) + 1, BLOCK) + 8
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((num_blocks, BLOCK, KV_HEADS, HEAD_DIM)).astype(np.float32)
+    q = paddle.to_tensor(rng.standard_normal((args.seqs, HEADS, HEAD_DIM)).astype(np.float32))
+    results = {"shape": f"{args.seqs} decode tokens, {HEADS} heads, {KV_HEADS} kv heads, head size {HEAD_DIM}, "
+               f"{LAYERS} layers each with its own cache", **run_stamp(), "rows": []}
+    for dtype in args.cache_dtypes.split(","):
+        caches = [(paddle.to_tensor(base).astype(dtype), paddle.to_tensor(base).astype(dtype)) for _ in range(LAYERS)]
+        for ctx in contexts:
+            pool = BlockPool(num_blocks, seed=1)
+            meta = build_meta([([0], ctx, pool.take(blocks_for(ctx + 1, BLOCK))) for _ in range(args.seqs)], BLOCK)
+            step = (paddle.to_tensor(meta.query_start_loc), paddle.to_tensor(meta.seq_lens),
+                    paddle.to_tensor(meta.block_tables))
+            times = []
+            for _ in range(args.rounds + 2):
+                t0 = time.perf_counter()
+                for k, v in caches:
+                    kernels.fd_paged_attention(q, k, v, *step, HEAD_DIM**-0.5, 0, 0)
+                times.append(time.perf_counter() - t0)
+            median = float(np.median(times[2:]))
+            read = args.seqs * (ctx + 1) * KV_HEADS * HEAD_DIM * 2 * (2 if dtype == "bfloat16" else 4) * LAYERS
+            row = {"cache": dtype, "keys": ctx + 1, "ms_30_layers": round(1e3 * median, 2),
+                   "gb_per_s": round(read / median / 1e9, 1)}
+            results["rows"].append(row)
+            print(json.dumps(row))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
