@@ -122,7 +122,9 @@ CACHE_PATHS = [
 
 
 @pytest.mark.parametrize("cache_dtype,path", CACHE_PATHS, ids=["float32", "bf16_widen", "bf16_dot"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 32), (4, 4, 16), (6, 2, 24), (2, 1, 128)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 32), (4, 4, 16), (6, 2, 24), (2, 1, 128), (12, 4, 32)]
+)  # (12, 4): items of 3 kv heads and one of the 4th
 def test_many_decodes_give_each_row_the_bits_it_gets_alone(cache_dtype, path, heads, kv_heads, head_dim, cpu_kernels):
     """A step with enough decode tokens puts the query heads of several kv heads of a token in
     one work item (9 heads of 3 kv heads at SmolLM2's shape); a token decoded alone has one item
