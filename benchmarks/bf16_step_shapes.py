@@ -1,0 +1,72 @@
+"""``fd_bf16_linear`` at the shapes of one SmolLM2-135M step: what the linear layers of a step cost.
+
+Usage: python benchmarks/bf16_step_shapes.py [--rows 64] [--json out.json]
+
+For ``--rows`` rows (a step's tokens), each projection of a layer (fused QKV [576, 960], output
+[576, 576], fused gate/up [576, 3072], down [1536, 576]) and the LM head [576, 49152], with
+bfloat16 weights in the kernel's pair tiles on the path the CPU chooses: best of 15 calls after
+3 warm-ups, and the step's total (30 layers and one head). Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+SHAPES = [("qkv", 576, 960, 30), ("o", 576, 576, 30), ("gate_up", 576, 3072, 30), ("down", 1536, 576, 30),
+          ("head", 576, 49152, 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+    import numpy as np
+    import paddle
+
+    from fastdeploy_core.builtin.cpu import layout
+    from fastdeploy_core.builtin.cpu.kernels import load_kernels
+    from run_stamp import run_stamp
+
+    kernels = load_kernels()
+    if kernels is None:
+        raise SystemExit("the cpu kernels did not build on this machine")
+    rng = np.random.default_rng(0)
+    m = args.rows
+    result = {**run_stamp(), "rows": m, "shapes": []}
+    total_us = total_macs = 0.0
+    for name, k, n, count in SHAPES:
+        weight = layout.pack_bf16_pair_tiles(
+            paddle.to_tensor((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)).astype("bfloat16"))
+        x = paddle.randn([m, k])
+        for _ in range(3):
+            kernels.fd_bf16_linear(x, weight, 0)
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            kernels.fd_bf16_linear(x, weight, 0)
+            times.append(time.perf_counter() - t0)
+        us = 1e6 * min(times)
+        total_us += us * count
+        total_macs += m * k * n * count
+        row = {"name": name, "shape": f"[{m}, {k}] x [{k}, {n}]", "us": round(us, 1),
+               "gflop_s": round(2 * m * k * n / us / 1e3, 1), "per_step": count}
+        result["shapes"].append(row)
+        print(json.dumps(row))
+    result["step_ms"] = round(total_us / 1e3, 2)
+    result["step_gflop_s"] = round(2 * total_macs / total_us / 1e3, 1)
+    print(f"step: {result['step_ms']} ms, {result['step_gflop_s']} GFLOP/s")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
