@@ -25,19 +25,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kernel_module import kernels_or_exit
+
+    kernels = kernels_or_exit()
 
     import numpy as np
     import paddle
 
     from fastdeploy_core.builtin.cpu import layout
-    from fastdeploy_core.builtin.cpu.kernels import load_kernels
     from run_stamp import run_stamp
 
-    kernels = load_kernels()
-    if kernels is None:
-        raise SystemExit("the cpu kernels did not build on this machine")
     rng = np.random.default_rng(0)
     m = args.rows
     result = {**run_stamp(), "rows": m, "shapes": []}

@@ -30,19 +30,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kernel_module import kernels_or_exit
+
+    kernels = kernels_or_exit()
 
     import numpy as np
     import paddle
 
-    from fastdeploy_core.builtin.cpu.kernels import load_kernels
     from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
     from run_stamp import run_stamp
 
-    kernels = load_kernels()
-    if kernels is None:
-        raise SystemExit("the cpu kernels did not build on this machine")
     contexts = [int(c) for c in args.contexts.split(",")]
     num_blocks = args.seqs * blocks_for(max(contexts) + 1, BLOCK) + 8
     rng = np.random.default_rng(0)
