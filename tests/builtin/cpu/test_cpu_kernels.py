@@ -147,8 +147,9 @@ def test_many_decodes_give_each_row_the_bits_it_gets_alone(cache_dtype, path, he
         step = (paddle.to_tensor(meta.query_start_loc), paddle.to_tensor(meta.seq_lens), paddle.to_tensor(meta.block_tables))
         return cpu_kernels.fd_paged_attention(rows, k, v, *step, scale, 0, path).numpy()
 
-    batch = attend(build_meta(chunks, block_size), q)
-    want = ReferenceOps().paged_attention(q, k.astype("float32"), v.astype("float32"), build_meta(chunks, block_size), scale, None)
+    meta = build_meta(chunks, block_size)
+    batch = attend(meta, q)
+    want = ReferenceOps().paged_attention(q, k.astype("float32"), v.astype("float32"), meta, scale, None)
     tol = 1e-4 if cache_dtype == "float32" else 2e-2  # the bfloat16 formula rounds queries and weights
     np.testing.assert_allclose(batch.reshape(want.shape), want.numpy(), rtol=tol, atol=tol)
     start = 0

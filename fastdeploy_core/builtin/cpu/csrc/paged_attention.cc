@@ -279,6 +279,13 @@ inline int64_t decode_heads_per_item(int64_t group, int64_t kvh) {
   return std::max<int64_t>(1, std::min<int64_t>(kvh, (kNarrowRows - 1) / group));
 }
 
+// Whether a narrow item's scores and weighted values are computed per group of rows on this
+// cache (what a grouped item needs): float32, or bfloat16 multiplied by vdpbf16ps at head size d
+// (attend_item's dot_scores and dot_pv); not the widening path, whose tile copies hold one head.
+inline bool narrow_per_head_group(bool bf16, bool bf16_dot, int64_t d) {
+  return !bf16 || (bf16_dot && fd_bf16_attention::narrow_takes(d) && fd_bf16_attention::pv_takes(d));
+}
+
 struct AttentionJob {
   const float* q;  // [T, h, d]
   const float* k;  // cache [NB, bs, kvh, d], float32 (nullptr for a bfloat16 cache)
@@ -440,6 +447,8 @@ void attend_item(void* ctx, int64_t index) {
   const int64_t token_rows = group * it.heads;
   const int64_t m = (it.t_end - it.t_begin) * token_rows, mp = (m + 15) / 16 * 16;
   const bool narrow = m < kNarrowRows;
+  // Rows per kv head call of the narrow paths: a grouped (single-token) item's group per head.
+  const int64_t head_rows = it.heads > 1 ? group : m;
   thread_local std::vector<float> qr, qt, st, o, mv, lv, av, kw, vw;
   thread_local std::vector<int32_t> row_pos;
   thread_local std::vector<int64_t> off, wide_off, next_off;
@@ -528,17 +537,15 @@ void attend_item(void* ctx, int64_t index) {
     if (dot_scores && narrow) {
       zero_padding_rows(st.data(), m, mp, nk);
       const auto tree = [](const f32x16* part) { return sum16(part); };
-      // One call per kv head of the item (its group's rows; one head but for grouped decodes).
-      const int64_t mg = it.heads > 1 ? group : m;
       for (int64_t gi = 0; gi < it.heads; ++gi) {
         const uint16_t* qg = qb.data() + gi * group * d;
         const uint16_t* kg = k16 + gi * d;
         float* sg = st.data() + gi * group;
         switch (d) {
-          case 32: fd_bf16_attention::scores_narrow<1>(qg, mg, mp, kg, off.data(), nk, sg, tree); break;
-          case 64: fd_bf16_attention::scores_narrow<2>(qg, mg, mp, kg, off.data(), nk, sg, tree); break;
-          case 96: fd_bf16_attention::scores_narrow<3>(qg, mg, mp, kg, off.data(), nk, sg, tree); break;
-          default: fd_bf16_attention::scores_narrow<4>(qg, mg, mp, kg, off.data(), nk, sg, tree); break;
+          case 32: fd_bf16_attention::scores_narrow<1>(qg, head_rows, mp, kg, off.data(), nk, sg, tree); break;
+          case 64: fd_bf16_attention::scores_narrow<2>(qg, head_rows, mp, kg, off.data(), nk, sg, tree); break;
+          case 96: fd_bf16_attention::scores_narrow<3>(qg, head_rows, mp, kg, off.data(), nk, sg, tree); break;
+          default: fd_bf16_attention::scores_narrow<4>(qg, head_rows, mp, kg, off.data(), nk, sg, tree); break;
         }
       }
     } else if (dot_scores) {
@@ -547,9 +554,8 @@ void attend_item(void* ctx, int64_t index) {
 #endif
     if (narrow) {
       zero_padding_rows(st.data(), m, mp, nk);
-      const int64_t mg = it.heads > 1 ? group : m;
       for (int64_t gi = 0; gi < it.heads; ++gi)
-        scores_narrow_rows(qr.data() + gi * group * d, mg, mp, k + gi * d, tile_off, nk, d, st.data() + gi * group);
+        scores_narrow_rows(qr.data() + gi * group * d, head_rows, mp, k + gi * d, tile_off, nk, d, st.data() + gi * group);
     } else {
       scores_wide(qt.data(), mp, k, tile_off, nk, d, st.data());
     }
@@ -598,19 +604,17 @@ void attend_item(void* ctx, int64_t index) {
 #if defined(__x86_64__)
     if (dot_pv) {
       fd_bf16_attention::pack_weight_pairs(st.data(), nk, mp, pp.data());
-      const int64_t mg = it.heads > 1 ? group : m;
       for (int64_t gi = 0; gi < it.heads; ++gi) {
         fd_bf16_attention::pack_value_pairs(v16 + gi * d, off.data(), nk, d, vp.data());
-        fd_bf16_attention::pv(pp.data() + gi * group, mg, mp, vp.data(), nk, d, av.data() + gi * group,
+        fd_bf16_attention::pv(pp.data() + gi * group, head_rows, mp, vp.data(), nk, d, av.data() + gi * group,
                               o.data() + gi * group * d);
       }
       continue;
     }
 #endif
     if (bf16) fd_bf16_attention::round_weights(st.data(), nk, mp);
-    const int64_t mg = it.heads > 1 ? group : m;
     for (int64_t gi = 0; gi < it.heads; ++gi)
-      pv(st.data() + gi * group, mg, mp, v + gi * d, tile_off, nk, d, av.data() + gi * group, o.data() + gi * group * d);
+      pv(st.data() + gi * group, head_rows, mp, v + gi * d, tile_off, nk, d, av.data() + gi * group, o.data() + gi * group * d);
   }
   if (it.partial < 0) {
     for (int64_t r = 0; r < m; ++r) {
@@ -688,8 +692,7 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
   // Decode tokens' items hold several kv heads (decode_heads_per_item) on the paths that take
   // them, when there are enough decode tokens to give every thread kItemsPerThread items anyway.
   int64_t decode_heads = 1;
-  if (!bf16 || (bf16_dot && fd_bf16_attention::narrow_takes(k_cache.shape()[3]) &&
-                fd_bf16_attention::pv_takes(k_cache.shape()[3]))) {
+  if (narrow_per_head_group(bf16, bf16_dot, d)) {
     int64_t decodes = 0;
     for (int64_t b = 0; b < B; ++b) decodes += qs[b + 1] - qs[b] == 1;
     if (decodes >= kItemsPerThread * threads) decode_heads = decode_heads_per_item(group, kvh);
