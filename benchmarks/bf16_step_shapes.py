@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.rows < 1:
+        parser.error("--rows must be at least 1")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from kernel_module import kernels_or_exit
 

@@ -30,6 +30,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        parser.error(f"--contexts takes comma-separated key counts, not {args.contexts!r}")
+    bad = [t for t in args.cache_dtypes.split(",") if t not in ("bfloat16", "float32")]
+    if bad:
+        parser.error(f"--cache-dtypes takes bfloat16 and/or float32, not {', '.join(bad)}")
+    if args.seqs < 1 or args.rounds < 1 or min(contexts) < 0:
+        parser.error("--seqs and --rounds must be at least 1, --contexts at least 0")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from kernel_module import kernels_or_exit
 
@@ -41,7 +50,6 @@ def main() -> None:
     from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
     from run_stamp import run_stamp
 
-    contexts = [int(c) for c in args.contexts.split(",")]
     num_blocks = args.seqs * blocks_for(max(contexts) + 1, BLOCK) + 8
     rng = np.random.default_rng(0)
     base = rng.standard_normal((num_blocks, BLOCK, KV_HEADS, HEAD_DIM)).astype(np.float32)
