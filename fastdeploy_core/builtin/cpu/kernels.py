@@ -67,6 +67,7 @@ HEADERS = (
     _CSRC / "bf16_attention.h",
     _CSRC / "cpu_features.h",
     _CSRC / "int8_dot.h",
+    _CSRC / "amx_tiles.h",
 )
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
 LD_FLAGS = ["-pthread"]
@@ -214,8 +215,11 @@ def has_avx512_bf16() -> bool:
 
 
 def has_amx_bf16() -> bool:
-    """Whether this CPU lists AMX BF16 tiles (reported only: no kernel uses them yet)."""
-    return "amx_bf16" in cpu_flags()
+    """Whether this CPU lists AMX tiles with BF16 (``fd_bf16_linear``'s auto path then multiplies
+    in tiles, once the OS grants the tile state and the tiles pass the kernel's self-check:
+    ``fd_bf16_amx_state``)."""
+    flags = cpu_flags()
+    return "amx_bf16" in flags and "amx_tile" in flags
 
 
 def kernel_failure() -> str | None:

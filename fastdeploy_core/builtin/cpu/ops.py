@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 from paddle import _C_ops
 
-from fastdeploy_core.builtin.cpu.kernels import has_int8_dot, load_kernels
+from fastdeploy_core.builtin.cpu.kernels import has_avx512_bf16, has_int8_dot, load_kernels
 from fastdeploy_core.builtin.cpu.layout import (
     PACK_COLUMNS,
     QUAD_ROWS,
@@ -156,14 +156,21 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             return pack_bf16_pair_tiles(weight) if weight.shape[0] % 2 == 0 else None
         return pack_column_tiles(weight)
 
-    #: ``fd_bf16_linear``'s path: 0 lets the kernel choose by CPU feature (``vdpbf16ps`` with
-    #: AVX-512 BF16), 1 widens the weights to float32 in the tile loop (``FD_BF16_DOT=0``). Both
-    #: give the same bits; tests pass the path to :meth:`bf16_linear` instead.
-    bf16_path = 0 if os.environ.get("FD_BF16_DOT", "1") not in ("0", "") else 1
+    #: ``fd_bf16_linear``'s path: 0 lets the kernel choose by CPU feature (AMX tiles, else
+    #: ``vdpbf16ps`` with AVX-512 BF16, else widening), 1 widens the weights to float32 in the
+    #: tile loop (``FD_BF16_DOT=0``), 2 ``vdpbf16ps`` without tiles (``FD_BF16_AMX=0``). Widening
+    #: and ``vdpbf16ps`` give the same bits, tiles sum in their own order; tests pass the path to
+    #: :meth:`bf16_linear` instead.
+    bf16_path = (
+        1 if os.environ.get("FD_BF16_DOT", "1") in ("0", "")
+        else 2 if os.environ.get("FD_BF16_AMX", "1") in ("0", "") and has_avx512_bf16()
+        else 0
+    )
 
     def bf16_linear(self, x, weight, bias=None, path: int | None = None) -> paddle.Tensor:
         """``fd_bf16_linear`` on a weight :meth:`prepare_linear_weight` packed (``path``: 0 the
-        CPU's best, 1 widen, 2 ``vdpbf16ps``; ``None`` = :attr:`bf16_path`), else the reference
+        CPU's best, 1 widen, 2 ``vdpbf16ps``, 3 AMX tiles, 4 the tile loop on a software model of
+        the instructions; ``None`` = :attr:`bf16_path`), else the reference
         formula; see :meth:`ReferenceOps.bf16_linear`."""
         if weight.ndim != 4 or x.dtype != paddle.float32 or not (self._have_kernels or self._ready()):
             return ReferenceOps.bf16_linear(self, x, weight, bias)

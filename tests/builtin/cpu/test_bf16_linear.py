@@ -8,6 +8,12 @@ dot path needs AVX-512 BF16). Without AVX-512 the widening path of a call with m
 widens each tile once and runs fd_f32_linear's loop over a buffer in the same order: the cases
 with 5 or more rows run that, fewer rows the per-block widening. Against the reference formula (``ReferenceOps.bf16_linear``, any
 summation order) the comparison is a float32 tolerance.
+
+The AMX path (tiles, ``tdpbf16ps``) sums in the instruction's order: per 16 k pairs two chains
+(even and odd k) from zero, their sum added to the output. Its loop also runs on a software model
+of the tile instructions (path 4) on every CPU, compared bit for bit with a numpy emulation of that
+order: that checks the loop's addressing, padding and tails here. The instructions themselves run
+only on a CPU with AMX-BF16 (path 3, compared with a tolerance); on others the tests say so.
 """
 
 from __future__ import annotations
@@ -20,15 +26,31 @@ import numpy as np
 import paddle
 import pytest
 
-from fastdeploy_core.builtin.cpu.kernels import has_avx512_bf16, load_kernels
+from fastdeploy_core.builtin.cpu.kernels import has_amx_bf16, has_avx512_bf16, load_kernels
 from fastdeploy_core.builtin.cpu.layout import pack_bf16_pair_tiles, unpack_bf16_pair_tiles, unpack_column_tiles
 from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.devices.current import set_current_ops
 from fastdeploy_core.devices.reference_ops import ReferenceOps
 from fastdeploy_core.quantization.codes import bfloat16_bits
 
-WIDEN, DOT, AUTO = 1, 2, 0
-PATHS = [WIDEN, AUTO] + ([DOT] if has_avx512_bf16() else [])
+WIDEN, DOT, AUTO, AMX, AMX_MODEL = 1, 2, 0, 3, 4
+
+
+def amx_state(model: int = 0) -> int:
+    """``fd_bf16_amx_state``: 0 no AMX tiles here, 1 the auto path uses them, 2 they failed the
+    kernel's self-check (``model=1``: that self-check run on the tile model)."""
+    if load_kernels() is None:
+        return 0
+    from paddle import _C_ops
+
+    return int(_C_ops._run_custom_op("fd_bf16_amx_state", paddle.zeros([1]), model)[0].numpy()[0])
+
+
+AMX_IN_USE = amx_state() == 1
+#: Paths that sum in the widening order (the auto path does unless it takes tiles).
+PATHS = [WIDEN] + ([] if AMX_IN_USE else [AUTO]) + ([DOT] if has_avx512_bf16() else [])
+#: Paths through the tile loop: its model everywhere, the instructions where the CPU has them.
+AMX_PATHS = [AMX_MODEL] + ([AMX] if AMX_IN_USE else [])
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +71,22 @@ def emulate(x: np.ndarray, weight_bits: np.ndarray) -> np.ndarray:
     for j in range(x.shape[1] // 2):
         for k in (2 * j + 1, 2 * j):
             acc = acc + xr[:, k : k + 1] * w[k]  # the product is exact in float32; the sum rounds
+    return acc
+
+
+def emulate_tiles(x: np.ndarray, weight_bits: np.ndarray) -> np.ndarray:
+    """tdpbf16ps's sums: per 16 k pairs (zeros past K) and output, the even k's products and the
+    odd k's each summed from zero in order, then their sum added to the output, float32."""
+    xr, w = widen(bfloat16_bits(x)), widen(weight_bits)
+    k_pad = -(-x.shape[1] // 32) * 32
+    xr = np.pad(xr, ((0, 0), (0, k_pad - x.shape[1])))
+    w = np.pad(w, ((0, k_pad - w.shape[0]), (0, 0)))
+    acc = np.zeros((x.shape[0], w.shape[1]), np.float32)
+    for start in range(0, k_pad, 32):
+        chains = [np.zeros_like(acc), np.zeros_like(acc)]
+        for k in range(start, start + 32):
+            chains[k % 2] = chains[k % 2] + xr[:, k : k + 1] * w[k]
+        acc = acc + (chains[0] + chains[1])
     return acc
 
 
@@ -100,7 +138,34 @@ def test_kernel_is_bitwise_its_summation_order_on_each_path(ops, path, m, k, n):
     np.testing.assert_array_equal(got, emulate(x, bits))
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    "m,k,n",
+    # rows: under one tile, one tile, a tile and a row, two tiles (32) and a part, panels of 64;
+    # k pairs: whole tiles of 16 (576, 1536) and tails (40, 50, 8 pairs of the 80-wide case)
+    [(1, 64, 32), (5, 80, 64), (16, 576, 96), (17, 1536, 64), (31, 96, 96), (33, 80, 64), (64, 576, 192),
+     (130, 100, 64)],
+)
+def test_tile_loop_on_the_model_is_bitwise_the_instructions_order(ops, m, k, n):
+    x, bits = case(np.random.default_rng(m * 1000 + k + n + 1), m, k, n)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+    got = ops.bf16_linear(paddle.to_tensor(x), packed, path=AMX_MODEL).numpy()
+    np.testing.assert_array_equal(got, emulate_tiles(x, bits))
+    # The two orders differ in the last bits (so this test tells the tile loop from the others).
+    assert not np.array_equal(got, emulate(x, bits)) or k <= 64
+
+
+@pytest.mark.skipif(not AMX_IN_USE, reason="no AMX-BF16 tiles in use on this CPU: the tile instructions "
+                    "were not executed (their loop runs on the model above)")
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (17, 1536, 64), (33, 80, 64), (130, 100, 64)])
+def test_tile_instructions_give_the_model_within_float32_rounding(ops, m, k, n):
+    x, bits = case(np.random.default_rng(m + k + n), m, k, n)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+    got = ops.bf16_linear(paddle.to_tensor(x), packed, path=AMX).numpy()
+    np.testing.assert_allclose(got, emulate_tiles(x, bits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(ops.bf16_linear(paddle.to_tensor(x), packed, path=AUTO).numpy(), got)
+
+
+@pytest.mark.parametrize("path", PATHS + AMX_PATHS)
 def test_kernel_is_the_reference_formula_within_float32_rounding(ops, path):
     rng = np.random.default_rng(7)
     x, bits = case(rng, 13, 576, 1536)
@@ -114,7 +179,7 @@ def test_kernel_is_the_reference_formula_within_float32_rounding(ops, path):
     assert np.abs(unrounded - want).max() > 100 * 1e-5
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", PATHS + AMX_PATHS)
 def test_activations_round_to_nearest_even(ops, path):
     """An identity weight returns x as the kernel rounded it: ties go to the even neighbour."""
     x = np.array([[1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20, 3.0, -0.5] + [0.0] * 26], np.float32)
@@ -133,14 +198,16 @@ def test_shapes_the_layout_cannot_take_run_the_reference_formula(ops):
         np.testing.assert_array_equal(ops.bf16_linear(paddle.to_tensor(x), weight).numpy(), want)
 
 
-def test_batch_rows_do_not_change_a_rows_result(ops):
-    """One accumulation chain per output whatever the row blocking (blocks of 8, panels of 64):
-    row r alone == row r in a batch."""
+@pytest.mark.parametrize("path", [AUTO] + AMX_PATHS)
+def test_batch_rows_do_not_change_a_rows_result(ops, path):
+    """One accumulation order per output whatever the row blocking (blocks of 8, of 32 in tiles,
+    panels of 64): row r alone == row r in a batch."""
     x, bits = case(np.random.default_rng(4), 131, 192, 64)
     packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
-    whole = ops.bf16_linear(paddle.to_tensor(x), packed).numpy()
+    whole = ops.bf16_linear(paddle.to_tensor(x), packed, path=path).numpy()
     for r in (0, 8, 17, 63, 64, 127, 130):
-        np.testing.assert_array_equal(ops.bf16_linear(paddle.to_tensor(x[r : r + 1]), packed).numpy(), whole[r : r + 1])
+        alone = ops.bf16_linear(paddle.to_tensor(x[r : r + 1]), packed, path=path).numpy()
+        np.testing.assert_array_equal(alone, whole[r : r + 1])
 
 
 def test_bad_inputs_are_refused_with_the_kernels_message(ops):
@@ -148,8 +215,8 @@ def test_bad_inputs_are_refused_with_the_kernels_message(ops):
     packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
     with pytest.raises(Exception, match="does not fit the weight's 32 k pairs"):
         ops.bf16_linear(paddle.to_tensor(x[:, :48]), packed)
-    with pytest.raises(Exception, match="path must be 0"):
-        ops.bf16_linear(paddle.to_tensor(x), packed, path=3)
+    with pytest.raises(Exception, match="path must be 0 .auto., 1 .widen., 2 .dot., 3 .amx. or 4"):
+        ops.bf16_linear(paddle.to_tensor(x), packed, path=5)
 
 
 def test_the_kernels_run_time_choice_agrees_with_the_cpus_flags(ops):
@@ -159,6 +226,18 @@ def test_the_kernels_run_time_choice_agrees_with_the_cpus_flags(ops):
 
     detected = bool(_C_ops._run_custom_op("fd_bf16_dot_available", paddle.zeros([1]))[0].numpy()[0])
     assert detected == has_avx512_bf16()
+    # AMX: a CPU listing AMX-BF16 tiles must run them and pass the kernel's self-check (state 1);
+    # a CPU without them reports 0.
+    assert amx_state() == (1 if has_amx_bf16() else 0)
+    # The self-check's own logic, run on the tile model: it agrees.
+    assert amx_state(model=1) == 1
+
+
+@pytest.mark.skipif(has_amx_bf16(), reason="this CPU has AMX-BF16: the tile path runs (tested above)")
+def test_amx_path_is_refused_without_amx_tiles(ops):
+    x, bits = case(np.random.default_rng(6), 2, 64, 32)
+    with pytest.raises(Exception, match="needs AMX-BF16 tiles"):
+        ops.bf16_linear(paddle.to_tensor(x), ops.prepare_linear_weight(paddle.to_tensor(bits)), path=AMX)
 
 
 @pytest.mark.skipif(has_avx512_bf16(), reason="this CPU has AVX-512 BF16: the dot path runs (tested above)")

@@ -24,7 +24,19 @@
 // The path is chosen at run time by CPU feature (__builtin_cpu_supports("avx512bf16"), which
 // also asks the OS for the AVX-512 register state); the dot path is compiled for AVX-512 BF16
 // through a target attribute, so the library builds on compilers' default targets too.
-// `path`: 0 = the CPU's best, 1 = widen, 2 = dot (an error without AVX-512 BF16).
+//   amx   (AMX-BF16, tdpbf16ps; amx_tiles.h): 32 x 32 blocks of sums in tiles, 16 k pairs per
+//         instruction. Its order is the instruction's, not the two paths' above: per instruction
+//         and output, two chains (even and odd k) from zero, then their sum added to the output
+//         (the SDM's Operation section), so its bits differ from theirs, and tests compare it
+//         with a tolerance. That order depends on K alone, never on the rows beside a row, so
+//         a request's results do not depend on its batch: on an AMX CPU the auto path takes
+//         tiles at every row count (one decode row too), never the dot path for some steps.
+//         Before its first use the process checks the tile path once against the widen path on
+//         a small problem; a disagreement is printed and the dot path is used instead.
+//         Not executed on the machines this was written on (no AMX): ModelTiles, a software
+//         model of the instructions, runs the same loop on any CPU (path 4, for tests).
+// `path`: 0 = the CPU's best (amx, else dot, else widen), 1 = widen, 2 = dot (an error without
+// AVX-512 BF16), 3 = amx (an error without AMX-BF16), 4 = the amx loop on the tile model.
 //
 // Threads (row_panels.h) claim (panel of 64 rows, one or two column tiles) items; each tile
 // runs the panel's rows in blocks of 8, so rows reuse a tile's weights from cache and a panel's
@@ -39,10 +51,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "cpu_features.h"
 #include "f32_tiles.h"
 #include "graph.h"
@@ -61,7 +76,7 @@ constexpr int64_t kPairBytes = kCols * 4;   // one k pair of one tile: 32 column
 constexpr int64_t kPrefetchBytes = 2048;    // how far ahead a tile asks for its weight stream
 constexpr int kRows = 8;                    // rows of x per tile block
 
-enum Path : int64_t { kAuto = 0, kWiden = 1, kDot = 2 };
+enum Path : int64_t { kAuto = 0, kWiden = 1, kDot = 2, kAmx = 3, kAmxModel = 4 };
 
 using fd_kernels::cpu_has_bf16_dot;
 
@@ -79,12 +94,12 @@ inline u32x16 round_bf16_lanes(u32x16 b) {
   return fd_kernels::select((b & 0x7FFFFFFFu) > 0x7F800000u, nan, rounded);
 }
 
-// Row m of x as bf16 pairs: xb[m * K2 + j] holds x[2j] in its low and x[2j + 1] in its high
-// half, rounded; an odd K ends with a zero half. (Both paths read these 32-bit pairs.)
-void round_rows(const float* x, int64_t M, int64_t K, int64_t K2, uint32_t* xb) {
+// Row m of x as bf16 pairs: xb[m * stride + j] holds x[2j] in its low and x[2j + 1] in its
+// high half, rounded; an odd K ends with a zero half. (Every path reads these 32-bit pairs.)
+void round_rows(const float* x, int64_t M, int64_t K, int64_t K2, uint32_t* xb, int64_t stride) {
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
-    uint32_t* out = xb + m * K2;
+    uint32_t* out = xb + m * stride;
     int64_t j = 0;
     for (; 2 * j + 32 <= K; j += 16) {
       const u32x16 a = round_bf16_lanes(fd_kernels::load<u32x16>(reinterpret_cast<const uint32_t*>(row + 2 * j)));
@@ -231,6 +246,29 @@ void gemm_widened_once(const Problem& p) {
 }
 #endif
 
+// The amx path: each item's rows of one tile in blocks of 32 through tiles. xb is [rows rounded
+// up to 16, K2 rounded up to 16] pairs, zero past x (fd_amx::tile_rows reads whole tiles).
+template <class Tiles>
+void gemm_amx(const Problem& p, int64_t x_stride) {
+  fd_kernels::run_row_panels(p.M, p.N / kCols, [&p, x_stride](int64_t t, int64_t m_begin, int64_t m_end) {
+    float* y = p.y + t * kCols;
+    fd_amx::tile_rows<Tiles>(fd_amx::Kind::kBf16, p.xb, x_stride, p.w + t * p.K2 * kPairBytes, p.K2, m_begin, m_end,
+                             [&](int64_t m, int64_t rows, const uint32_t (*out)[fd_amx::kTileCols]) {
+                               for (int64_t r = 0; r < rows; ++r)
+                                 std::memcpy(y + (m + r) * p.N, out[r], kCols * sizeof(float));
+                             });
+  });
+}
+
+// fd_bf16_linear on x [M, K] through the amx loop (Tiles) into y.
+template <class Tiles>
+void linear_amx(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t K2, int64_t N) {
+  const int64_t stride = fd_amx::padded_groups(K2);
+  std::vector<uint32_t> xb(static_cast<size_t>(fd_amx::padded_rows(M) * stride), 0u);
+  round_rows(x, M, K, K2, xb.data(), stride);
+  gemm_amx<Tiles>(Problem{xb.data(), w, y, M, K2, N}, stride);
+}
+
 void gemm(const Problem& p, bool dot) {
 #if !defined(__AVX512F__)
   if (!dot && p.M > kWidenOnceRows) return gemm_widened_once(p);
@@ -256,6 +294,72 @@ std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
   return shape;
 }
 
+// The tile loop (Tiles) against the widen path on a small problem: 20 rows (a block of 16 and a
+// part block), K = 80 (whole pair tiles of 16 and a tail of 8 pairs), N = 64. The orders differ,
+// so the agreement is a tolerance: |tiles - widen| <= 1e-5 sum_k |x w| + 1e-30 (that sum itself
+// from the widen path on |x| and |w|). *worst gets the largest difference.
+template <class Tiles>
+bool tiles_agree_with_widen(float* worst) {
+  constexpr int64_t M = 20, K = 80, K2 = K / 2, N = 64;
+  std::vector<float> x(M * K), x_abs(M * K), bound(M * N), tiles(M * N), widen(M * N);
+  std::vector<uint16_t> w(N * K), w_abs(N * K);
+  uint32_t seed = 12345u;
+  auto next = [&seed] {
+    seed = seed * 1664525u + 1013904223u;
+    return static_cast<float>(static_cast<int32_t>(seed >> 8) - (1 << 23)) / static_cast<float>(1 << 23);
+  };
+  for (int64_t i = 0; i < M * K; ++i) x_abs[i] = std::fabs(x[i] = next());
+  for (int64_t i = 0; i < N * K; ++i) w_abs[i] = (w[i] = to_bf16(next())) & 0x7FFFu;
+  std::vector<uint32_t> xb(M * K2);
+  auto run_widen = [&](const float* xs, const uint16_t* ws, float* y) {
+    round_rows(xs, M, K, K2, xb.data(), K2);
+    const Problem p{xb.data(), reinterpret_cast<const uint8_t*>(ws), y, M, K2, N};
+    for (int64_t t = 0; t < N / kCols; ++t)
+      for (int64_t m = 0; m < M; ++m) widen_tile<1>(p, m, t);
+  };
+  run_widen(x.data(), w.data(), widen.data());
+  run_widen(x_abs.data(), w_abs.data(), bound.data());
+  const int64_t stride = fd_amx::padded_groups(K2);
+  std::vector<uint32_t> xp(fd_amx::padded_rows(M) * stride, 0u);
+  round_rows(x.data(), M, K, K2, xp.data(), stride);
+  const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.data());
+  for (int64_t t = 0; t < N / kCols; ++t)
+    fd_amx::tile_rows<Tiles>(fd_amx::Kind::kBf16, xp.data(), stride, wb + t * K2 * kPairBytes, K2, 0, M,
+                             [&](int64_t m, int64_t rows, const uint32_t (*out)[fd_amx::kTileCols]) {
+                               for (int64_t r = 0; r < rows; ++r)
+                                 std::memcpy(&tiles[(m + r) * N + t * kCols], out[r], kCols * sizeof(float));
+                             });
+  bool agree = true;
+  *worst = 0.f;
+  for (int64_t i = 0; i < M * N; ++i) {
+    const float d = std::fabs(tiles[i] - widen[i]);
+    agree = agree && d <= 1e-5f * bound[i] + 1e-30f;  // false for a NaN too
+    *worst = std::max(*worst, d);
+  }
+  return agree;
+}
+
+// Whether the auto path takes AMX tiles: the CPU has AMX-BF16, the OS granted the tile state,
+// and the tiles agreed with the widen path once (tiles_agree_with_widen); a disagreement is
+// printed and the auto path keeps vdpbf16ps.
+enum AmxState : int64_t { kNoAmx = 0, kAmxInUse = 1, kAmxFailedCheck = 2 };
+
+AmxState amx_state() {
+  static const AmxState state = [] {
+    if (!fd_amx::amx_permitted(fd_amx::Kind::kBf16)) return kNoAmx;
+#if defined(__x86_64__)
+    float worst = 0.f;
+    if (tiles_agree_with_widen<fd_amx::HardwareTiles>(&worst)) return kAmxInUse;
+    std::fprintf(stderr, "fd_bf16_linear: the AMX tile path disagreed with the widen path in its self-check "
+                         "(|difference| up to %g); the dot path is used instead\n", worst);
+    return kAmxFailedCheck;
+#else
+    return kNoAmx;
+#endif
+  }();
+  return state;
+}
+
 }  // namespace
 
 std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x_in, const paddle::Tensor& weight, int64_t path) {
@@ -263,20 +367,27 @@ std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x_in, const paddle:
   PD_CHECK(weight.dtype() == paddle::DataType::BFLOAT16, "weight must be bfloat16");
   const auto& ws = weight.shape();
   PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == 2, "weight must be packed [N / 32, K2, 32, 2]");
-  PD_CHECK(path == kAuto || path == kWiden || path == kDot, "path must be 0 (auto), 1 (widen) or 2 (dot), got ",
-           path);
+  PD_CHECK(path >= kAuto && path <= kAmxModel,
+           "path must be 0 (auto), 1 (widen), 2 (dot), 3 (amx) or 4 (amx on the tile model), got ", path);
   PD_CHECK(path != kDot || cpu_has_bf16_dot(), "the dot path needs AVX-512 BF16, which this CPU does not have");
+  PD_CHECK(path != kAmx || fd_amx::amx_permitted(fd_amx::Kind::kBf16),
+           "the amx path needs AMX-BF16 tiles granted by the OS, which this CPU or kernel does not have");
   const int64_t K2 = ws[1], N = ws[0] * kCols, K = x_in.shape().back();
   PD_CHECK(K == 2 * K2 || K == 2 * K2 - 1, "x's last axis (", K, ") does not fit the weight's ", K2, " k pairs");
+  const bool amx = path == kAmx || (path == kAuto && amx_state() == kAmxInUse);
   const bool dot = path == kDot || (path == kAuto && cpu_has_bf16_dot());
   auto out = fd_graph::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32);
   fd_graph::run("fd_bf16_linear", {&x_in, &weight}, {&out}, [=]() mutable {
     const paddle::Tensor x = x_in.contiguous();
     const int64_t M = K > 0 ? x.numel() / K : 0;
+    const auto* w = static_cast<const uint8_t*>(weight.data());
+#if defined(__x86_64__)
+    if (amx) return linear_amx<fd_amx::HardwareTiles>(x.data<float>(), w, out.data<float>(), M, K, K2, N);
+#endif
+    if (path == kAmxModel) return linear_amx<fd_amx::ModelTiles>(x.data<float>(), w, out.data<float>(), M, K, K2, N);
     std::vector<uint32_t> xb(static_cast<size_t>(M * K2));
-    round_rows(x.data<float>(), M, K, K2, xb.data());
-    const Problem p{xb.data(), static_cast<const uint8_t*>(weight.data()), out.data<float>(), M, K2, N};
-    gemm(p, dot);
+    round_rows(x.data<float>(), M, K, K2, xb.data(), K2);
+    gemm(Problem{xb.data(), w, out.data<float>(), M, K2, N}, dot);
   });
   return {out};
 }
@@ -303,6 +414,23 @@ PD_BUILD_OP(fd_bf16_linear)
     .SetKernelFn(PD_KERNEL(Bf16Linear))
     .SetInferShapeFn(PD_INFER_SHAPE(Bf16Shape))
     .SetInferDtypeFn(PD_INFER_DTYPE(Bf16Dtype));
+
+// The amx path's state in this process: 0 no AMX-BF16 (or the OS refused the tile state), 1 the
+// auto path uses tiles, 2 the tiles failed the self-check and the auto path does not use them.
+// model = 1 runs the self-check on the tile model instead (1 agrees, 2 not): the check's own test.
+std::vector<paddle::Tensor> Bf16AmxState(const paddle::Tensor& unused, int64_t model) {
+  auto out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
+  float worst = 0.f;
+  out.data<int64_t>()[0] =
+      model ? (tiles_agree_with_widen<fd_amx::ModelTiles>(&worst) ? kAmxInUse : kAmxFailedCheck) : amx_state();
+  return {out};
+}
+
+PD_BUILD_OP(fd_bf16_amx_state)
+    .Inputs({"Unused"})
+    .Outputs({"State"})
+    .Attrs({"model: int64_t"})
+    .SetKernelFn(PD_KERNEL(Bf16AmxState));
 
 PD_BUILD_OP(fd_bf16_dot_available)
     .Inputs({"Unused"})

@@ -1,0 +1,300 @@
+// AMX tiles for the linear layers' many-row steps (Intel Sapphire Rapids and later): whether
+// this process may use them, the tile operations, and one 32-column tile of a GEMM on them.
+//
+// The weights' packed layouts are already what a B tile reads: fd_bf16_linear's [N / 32, K / 2,
+// 32, 2] and fd_w8a8_linear's [N / 32, K / 4, 32, 4] both store, per 32-bit group of k (a pair
+// of bfloat16, a quad of int8) 32 columns x 4 bytes; 16 columns of 16 consecutive groups are a
+// B tile of 16 rows x 64 bytes, 128 bytes apart. A tile is 16 rows of x as 16 groups each.
+// Tiles: C00..C11 = tmm0..3 (a 32 x 32 block of sums), A0 / A1 = tmm4 / 5 (rows 0-15 / 16-31),
+// B0 / B1 = tmm6 / 7 (columns 0-15 / 16-31), every tile 16 rows x 64 bytes.
+//
+// Two implementations of the tile operations run the same loop (amx_tile_rows):
+//   HardwareTiles: the instructions (tileloadd, tdpbf16ps, tdpbssd, ...), emitted as inline
+//     assembly, so the library needs no -mamx flags and still builds for CPUs without AMX; only
+//     called after amx_permitted() said yes.
+//   ModelTiles: a software model of the same instructions (rows, bytes, per-row sums; the
+//     bfloat16 sums in the order the SDM's Operation section gives, with its DAZ / FTZ), which
+//     runs on any CPU: the tests check the loop's addressing, padding and remainders through it
+//     on machines without AMX. Hardware bits of tdpbf16ps are not assumed to equal the model's
+//     (the tests compare the hardware path with a tolerance; the integer sums are exact either way).
+//
+// Permission: Linux hands out the tile data state only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per process, for all its threads; without it
+// the first tile instruction is a SIGILL. amx_permitted() asks once and says no when the CPU
+// lacks AMX-TILE (+ AMX-BF16 / AMX-INT8) or the kernel refuses (Linux < 5.16).
+//
+// Not executed on the machines this was written on (AMD EPYC Zen 4: no AMX): the hardware path.
+#pragma once
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace fd_amx {
+
+constexpr int64_t kTileRows = 16;      // rows of a tile
+constexpr int64_t kTileGroups = 16;    // 32-bit groups (64 bytes) per tile row
+constexpr int64_t kBlockRows = 32;     // rows of x per block: A0 and A1
+constexpr int64_t kTileCols = 32;      // output columns per weight tile: B0 and B1
+constexpr int64_t kGroupBytes = kTileCols * 4;  // one group of k of one weight tile: 128 bytes
+
+enum class Kind { kBf16, kInt8 };
+
+// Whether this process may run tile instructions of `kind` (asked once per kind).
+inline bool amx_permitted(Kind kind) {
+#if defined(__x86_64__)
+  static const bool tiles = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u)) return false;  // AMX-TILE
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  static const bool bf16 = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1u);  // AMX-BF16
+  }();
+  static const bool int8 = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 25) & 1u);  // AMX-INT8
+  }();
+  return tiles && (kind == Kind::kBf16 ? bf16 : int8);
+#else
+  (void)kind;
+  return false;
+#endif
+}
+
+// The tile configuration (palette 1): 8 tiles of 16 rows x 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = static_cast<uint16_t>(kTileGroups * 4);
+      rows[t] = static_cast<uint8_t>(kTileRows);
+    }
+  }
+};
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
+
+#if defined(__x86_64__)
+// The instructions. Tile numbers are literals in the assembly, so each operation is a switch
+// over the few tiles the loop uses (folded away: the loop passes constants).
+struct HardwareTiles {
+  static void configure(const TileConfig& cfg) { asm volatile("ldtilecfg %0" ::"m"(cfg)); }
+  static void release() { asm volatile("tilerelease" ::); }
+  static void zero(int t) {
+    switch (t) {
+      case 0: asm volatile("tilezero %%tmm0" ::); break;
+      case 1: asm volatile("tilezero %%tmm1" ::); break;
+      case 2: asm volatile("tilezero %%tmm2" ::); break;
+      default: asm volatile("tilezero %%tmm3" ::); break;
+    }
+  }
+  // The "memory" clobber keeps stores to what a tile reads (padding buffers) before the load.
+  static void load(int t, const void* base, int64_t stride) {
+    switch (t) {
+      case 4: asm volatile("tileloadd (%0,%1,1), %%tmm4" ::"r"(base), "r"(stride) : "memory"); break;
+      case 5: asm volatile("tileloadd (%0,%1,1), %%tmm5" ::"r"(base), "r"(stride) : "memory"); break;
+      case 6: asm volatile("tileloadd (%0,%1,1), %%tmm6" ::"r"(base), "r"(stride) : "memory"); break;
+      default: asm volatile("tileloadd (%0,%1,1), %%tmm7" ::"r"(base), "r"(stride) : "memory"); break;
+    }
+  }
+  static void store(int t, void* base, int64_t stride) {
+    switch (t) {
+      case 0: asm volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"(base), "r"(stride) : "memory"); break;
+      case 1: asm volatile("tilestored %%tmm1, (%0,%1,1)" ::"r"(base), "r"(stride) : "memory"); break;
+      case 2: asm volatile("tilestored %%tmm2, (%0,%1,1)" ::"r"(base), "r"(stride) : "memory"); break;
+      default: asm volatile("tilestored %%tmm3, (%0,%1,1)" ::"r"(base), "r"(stride) : "memory"); break;
+    }
+  }
+  // C(c) += A(a) B(b) for the loop's four (c, a, b): (0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7).
+  // AT&T order: B, A, C.
+  static void dot(Kind kind, int c) {
+    if (kind == Kind::kBf16) {
+      switch (c) {
+        case 0: asm volatile("tdpbf16ps %%tmm6, %%tmm4, %%tmm0" ::); break;
+        case 1: asm volatile("tdpbf16ps %%tmm7, %%tmm4, %%tmm1" ::); break;
+        case 2: asm volatile("tdpbf16ps %%tmm6, %%tmm5, %%tmm2" ::); break;
+        default: asm volatile("tdpbf16ps %%tmm7, %%tmm5, %%tmm3" ::); break;
+      }
+    } else {
+      switch (c) {
+        case 0: asm volatile("tdpbssd %%tmm6, %%tmm4, %%tmm0" ::); break;
+        case 1: asm volatile("tdpbssd %%tmm7, %%tmm4, %%tmm1" ::); break;
+        case 2: asm volatile("tdpbssd %%tmm6, %%tmm5, %%tmm2" ::); break;
+        default: asm volatile("tdpbssd %%tmm7, %%tmm5, %%tmm3" ::); break;
+      }
+    }
+  }
+};
+#endif
+
+// The software model: this thread's 8 tiles of 16 rows x 64 bytes.
+struct ModelTiles {
+  struct State {
+    alignas(64) uint8_t tile[8][kTileRows][kTileGroups * 4];
+    bool configured = false;
+  };
+  static State& state() {
+    thread_local State s;
+    return s;
+  }
+  static void configure(const TileConfig&) { state().configured = true; }
+  static void release() { state().configured = false; }
+  static uint8_t* row(int t, int64_t r) {
+    if (!state().configured) __builtin_trap();  // a tile instruction before ldtilecfg faults
+    return state().tile[t][r];
+  }
+  static void zero(int t) {
+    for (int64_t r = 0; r < kTileRows; ++r) std::memset(row(t, r), 0, kTileGroups * 4);
+  }
+  static void load(int t, const void* base, int64_t stride) {
+    for (int64_t r = 0; r < kTileRows; ++r)
+      std::memcpy(row(t, r), static_cast<const uint8_t*>(base) + r * stride, kTileGroups * 4);
+  }
+  static void store(int t, void* base, int64_t stride) {
+    for (int64_t r = 0; r < kTileRows; ++r)
+      std::memcpy(static_cast<uint8_t*>(base) + r * stride, row(t, r), kTileGroups * 4);
+  }
+  static float bf16_daz(uint16_t h) {
+    const uint32_t bits = (h & 0x7F80u) == 0 ? (h & 0x8000u) << 16 : static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  static float ftz(float f) { return std::fabs(f) < 1.17549435e-38f ? std::copysign(0.f, f) : f; }
+  static void dot(Kind kind, int c) {
+    const int a = 4 + c / 2, b = 6 + c % 2;
+    for (int64_t m = 0; m < kTileRows; ++m) {
+      uint8_t* cr = row(c, m);
+      const uint8_t* ar = row(a, m);
+      for (int64_t n = 0; n < kTileGroups; ++n) {
+        if (kind == Kind::kInt8) {
+          int32_t acc;
+          std::memcpy(&acc, cr + 4 * n, 4);
+          uint32_t sum = static_cast<uint32_t>(acc);  // wraps as the instruction does
+          for (int64_t k = 0; k < kTileGroups; ++k)
+            for (int e = 0; e < 4; ++e)
+              sum += static_cast<uint32_t>(static_cast<int8_t>(ar[4 * k + e]) *
+                                           static_cast<int8_t>(row(b, k)[4 * n + e]));
+          std::memcpy(cr + 4 * n, &sum, 4);
+          continue;
+        }
+        // Two chains per output (the even and the odd element of each pair), each a float32
+        // FMA from zero, then their sum added to C.
+        float even = 0.f, odd = 0.f;
+        for (int64_t k = 0; k < kTileGroups; ++k) {
+          uint16_t x[2], w[2];
+          std::memcpy(x, ar + 4 * k, 4);
+          std::memcpy(w, row(b, k) + 4 * n, 4);
+          even = ftz(std::fma(bf16_daz(x[0]), bf16_daz(w[0]), even));
+          odd = ftz(std::fma(bf16_daz(x[1]), bf16_daz(w[1]), odd));
+        }
+        float acc;
+        std::memcpy(&acc, cr + 4 * n, 4);
+        acc = ftz(acc + ftz(even + odd));
+        std::memcpy(cr + 4 * n, &acc, 4);
+      }
+    }
+  }
+};
+
+// Configures this thread's tiles for a scope and releases them after.
+template <class Tiles>
+struct TileScope {
+  TileScope() {
+    static const TileConfig cfg;
+    Tiles::configure(cfg);
+  }
+  ~TileScope() { Tiles::release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+// One weight tile's operands. x's rows are groups [rows rounded up to 16, a_stride], zero past
+// the problem's rows and groups (a_stride a multiple of 16), so tiles read zeros there.
+struct TileOperands {
+  const uint32_t* a;     // the block's first row
+  int64_t a_stride;      // groups per row of a
+  const uint8_t* w;      // the weight tile: [groups, 32 columns, 4 bytes]
+  int64_t groups;        // k groups of the weights
+  const uint8_t* w_tail; // the last groups % 16 groups, zero-padded to 16 (nullptr when none)
+};
+
+// out[r][c] (r < rows <= 32, 32 columns, 32-bit sums: float for bf16, int32 for int8) =
+// the rows' sums over every group, through tiles. The caller holds a TileScope.
+template <class Tiles, int TWO>
+inline void tile_block(Kind kind, const TileOperands& op, uint32_t (*out)[kTileCols]) {
+  const int64_t a_bytes = op.a_stride * 4;
+  Tiles::zero(0);
+  Tiles::zero(1);
+  if (TWO) {
+    Tiles::zero(2);
+    Tiles::zero(3);
+  }
+  const int64_t full = op.groups / kTileGroups * kTileGroups;
+  for (int64_t j = 0; j <= full; j += kTileGroups) {
+    const uint8_t* b = j < full ? op.w + j * kGroupBytes : op.w_tail;
+    if (b == nullptr) break;
+    Tiles::load(4, op.a + j, a_bytes);
+    if (TWO) Tiles::load(5, op.a + kTileRows * op.a_stride + j, a_bytes);
+    Tiles::load(6, b, kGroupBytes);
+    Tiles::load(7, b + 64, kGroupBytes);
+    Tiles::dot(kind, 0);
+    Tiles::dot(kind, 1);
+    if (TWO) {
+      Tiles::dot(kind, 2);
+      Tiles::dot(kind, 3);
+    }
+  }
+  Tiles::store(0, &out[0][0], kTileCols * 4);
+  Tiles::store(1, &out[0][16], kTileCols * 4);
+  if (TWO) {
+    Tiles::store(2, &out[kTileRows][0], kTileCols * 4);
+    Tiles::store(3, &out[kTileRows][16], kTileCols * 4);
+  }
+}
+
+// The weight tile's last groups % 16 groups zero-padded to a full tile's 16 (into buf,
+// 16 x 128 bytes); nullptr when the groups are a multiple of 16.
+inline const uint8_t* padded_tail(const uint8_t* w, int64_t groups, uint8_t* buf) {
+  const int64_t full = groups / kTileGroups * kTileGroups;
+  if (full == groups) return nullptr;
+  std::memset(buf, 0, kTileGroups * kGroupBytes);
+  std::memcpy(buf, w + full * kGroupBytes, (groups - full) * kGroupBytes);
+  return buf;
+}
+
+// Rows [m_begin, m_end) of one weight tile in blocks of 32 rows (two A tiles) and one block of
+// the rest: store(m, rows, out) gets each block's sums.
+template <class Tiles, class Store>
+inline void tile_rows(Kind kind, const uint32_t* a, int64_t a_stride, const uint8_t* w, int64_t groups,
+                      int64_t m_begin, int64_t m_end, const Store& store) {
+  alignas(64) uint8_t tail[kTileGroups * kGroupBytes];
+  alignas(64) uint32_t out[kBlockRows][kTileCols];
+  TileOperands op{nullptr, a_stride, w, groups, padded_tail(w, groups, tail)};
+  TileScope<Tiles> scope;
+  for (int64_t m = m_begin; m < m_end; m += kBlockRows) {
+    const int64_t rows = m_end - m < kBlockRows ? m_end - m : kBlockRows;
+    op.a = a + m * a_stride;
+    if (rows > kTileRows)
+      tile_block<Tiles, 1>(kind, op, out);
+    else
+      tile_block<Tiles, 0>(kind, op, out);
+    store(m, rows, out);
+  }
+}
+
+// Groups per row of x for the tiles: groups rounded up to 16; rows rounded up to 16.
+inline int64_t padded_groups(int64_t groups) { return (groups + kTileGroups - 1) / kTileGroups * kTileGroups; }
+inline int64_t padded_rows(int64_t rows) { return (rows + kTileRows - 1) / kTileRows * kTileRows; }
+
+}  // namespace fd_amx
