@@ -74,9 +74,9 @@ def main() -> None:
         for M in (int(r) for r in args.rows.split(",")):
             x = paddle.randn([M, K])
             kernels = {
-                "wint8 int": lambda: k.fd_w8a8_linear(x, quads, scale, 2),
+                "wint8 int": lambda: k.fd_w8a8_linear(x, quads, scale, 2, 0),
                 "wint8 float": lambda: k.fd_int8_linear(x, columns, scale, K, False),
-                "w8a8 int": lambda: k.fd_w8a8_linear(x, quads, scale, 1),
+                "w8a8 int": lambda: k.fd_w8a8_linear(x, quads, scale, 1, 0),
                 "bf16": lambda: k.fd_bf16_linear(x, bf16, 0),
                 "f32": lambda: k.fd_f32_linear(x, f32),
             }

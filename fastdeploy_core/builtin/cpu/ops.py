@@ -65,14 +65,14 @@ class CpuQuantOps:
         if not (self._have_kernels or self._ready()):
             return int8_linear_reference(x, weight, scale, group_size, bias)
         if weight.ndim == 4:  # prepare_wint8_weights' layout: integer products, 16-bit activations
-            return add_bias(_run("fd_w8a8_linear", x, weight, scale, 2)[0], bias)
+            return add_bias(_run("fd_w8a8_linear", x, weight, scale, 2, self.int8_tiles_path)[0], bias)
         return add_bias(_run("fd_int8_linear", x, weight, scale, group_size, False)[0], bias)
 
     def w8a8_linear(self, x, weight, scale, group_size: int, bias=None) -> paddle.Tensor:
         if not (self._have_kernels or self._ready()):
             return int8_linear_reference(x, weight, scale, group_size, bias, act_int8=True)
         if weight.ndim == 4:  # prepare_w8a8_weights' layout: integer products
-            return add_bias(_run("fd_w8a8_linear", x, weight, scale, 1)[0], bias)
+            return add_bias(_run("fd_w8a8_linear", x, weight, scale, 1, self.int8_tiles_path)[0], bias)
         return add_bias(_run("fd_int8_linear", x, weight, scale, group_size, True)[0], bias)
 
     #: ``w8a8`` layers multiply int8 by int8 (``fd_w8a8_linear``) when the kernels have integer dot
@@ -82,6 +82,10 @@ class CpuQuantOps:
     #: ``wint8`` layers likewise, their activations as two int8 pieces (``FD_WINT8_INT_DOT=0``: the
     #: float32 loop of ``fd_int8_linear``, which widens each weight and multiplies in float32).
     wint8_int_dot = has_int8_dot() and os.environ.get("FD_WINT8_INT_DOT", "1") not in ("0", "")
+    #: ``fd_w8a8_linear``'s path: 0 lets the kernel choose (AMX-INT8 tiles for 16 rows or more
+    #: where the CPU has them, else VNNI / AVX2), 1 never tiles (``FD_INT8_AMX=0``). Both give
+    #: the same bits (exact integer sums).
+    int8_tiles_path = 1 if os.environ.get("FD_INT8_AMX", "1") in ("0", "") else 0
 
     def prepare_w8a8_weights(self, weight: paddle.Tensor, scale: paddle.Tensor):
         """A ``w8a8`` layer's ``(weight, scale)`` for ``fd_w8a8_linear`` (:meth:`int8_quads`), else ``None``."""

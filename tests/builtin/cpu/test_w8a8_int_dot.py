@@ -8,6 +8,10 @@ With one piece (w8a8) the kernel rounds each row of x to int8 (``|x|max / 127``,
 ``(fma(float32(sum hi q), 256, float32(sum lo q)) * w_scale[n]) * x_scale[m]``. The sums are
 exact, so the tests compare bit for bit with those formulas computed in numpy (int64 sums), and
 within the activations' rounding with the quantizers' float32 reference formulas.
+
+Every path gives those bits: the vector loop, AMX-INT8 tiles (``tdpbssd``; only on a CPU that has
+them, else the tests say so) and the tile loop on a software model of the instructions, which
+runs everywhere and checks the loop's addressing, padding and tails on CPUs without AMX.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 import paddle
 import pytest
 
+from fastdeploy_core.builtin.cpu.kernels import load_kernels
 from fastdeploy_core.builtin.cpu.layout import pack_int8_quad_tiles, unpack_column_tiles, unpack_int8_quad_tiles
 from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.devices.current import set_current_ops
@@ -27,6 +32,28 @@ from fastdeploy_core.layers.linear import Linear
 from fastdeploy_core.quantization.codes import quantize_int8
 from fastdeploy_core.quantization.w8a8 import W8A8
 from fastdeploy_core.quantization.weight_only import WeightOnlyInt8, int8_linear_reference
+
+
+AUTO, VECTOR, AMX, AMX_MODEL = 0, 1, 2, 3
+
+
+def amx_state(model: int = 0) -> int:
+    """``fd_w8a8_amx_state``: 1 when the auto path takes AMX-INT8 tiles here (``model=1``: the
+    kernel's self-check run on the tile model passes), else 0."""
+    if load_kernels() is None:
+        return 0
+    from paddle import _C_ops
+
+    return int(_C_ops._run_custom_op("fd_w8a8_amx_state", paddle.zeros([1]), model)[0].numpy()[0])
+
+
+def has_amx_int8() -> bool:
+    from fastdeploy_core.devices.host_cpu import cpu_flags
+
+    return {"amx_tile", "amx_int8"} <= set(cpu_flags())
+
+
+PATHS = [AUTO, VECTOR, AMX_MODEL] + ([AMX] if amx_state() else [])
 
 
 def gaussian(rng, shape):
@@ -72,11 +99,13 @@ def test_quad_packing_rejects_shapes_it_cannot_hold():
         pack_int8_quad_tiles(paddle.zeros([8, 48], dtype="int8"))
 
 
-# rows: one (decode), a register block and its remainders, more than one panel of 64 rows.
+# rows: one (decode), a register block and its remainders, a tile of 16 and one more, more than
+# one panel of 64 rows; K: 144 / 384 / 11 quads (tails of 0 / 0 / 11 in tiles of 16 quads).
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("pieces", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 64, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 17, 64, 130])
 @pytest.mark.parametrize("shape", [(576, 96), (1536, 64), (44, 160)], ids=["576x96", "1536x64", "44x160"])
-def test_kernel_equals_its_integer_formula_bit_for_bit(pieces, rows, shape, cpu_kernels):
+def test_kernel_equals_its_integer_formula_bit_for_bit(path, pieces, rows, shape, cpu_kernels):
     K, N = shape
     rng = np.random.default_rng(rows * 7 + K + pieces)
     q = rng.integers(-127, 128, (K, N)).astype(np.int8)
@@ -91,7 +120,7 @@ def test_kernel_equals_its_integer_formula_bit_for_bit(pieces, rows, shape, cpu_
         x[3, 4:] = np.clip(x[3, 4:], -0.9, 0.9)
     want = formula(x, q, ws, pieces)
     got = cpu_kernels.fd_w8a8_linear(
-        paddle.to_tensor(x), pack_int8_quad_tiles(paddle.to_tensor(q)), paddle.to_tensor(ws.reshape(1, N)), pieces
+        paddle.to_tensor(x), pack_int8_quad_tiles(paddle.to_tensor(q)), paddle.to_tensor(ws.reshape(1, N)), pieces, path
     ).numpy()
     np.testing.assert_array_equal(got, want)
     if rows > 2:
@@ -107,7 +136,7 @@ def test_kernel_rounds_ties_to_even_as_paddle_round_does(cpu_kernels):
     eye = np.zeros((K, N), np.int8)
     eye[np.arange(K), np.arange(N)] = 1
     got = cpu_kernels.fd_w8a8_linear(
-        paddle.to_tensor(x), pack_int8_quad_tiles(paddle.to_tensor(eye)), paddle.ones([1, N]), 1
+        paddle.to_tensor(x), pack_int8_quad_tiles(paddle.to_tensor(eye)), paddle.ones([1, N]), 1, 0
     ).numpy()
     np.testing.assert_array_equal(got[0, :9], [127, 0, 0, 2, -2, 2, -2, 0, 0])
     np.testing.assert_array_equal(got[0, 1:9], paddle.round(paddle.to_tensor(x[0, 1:9])).numpy())
@@ -120,7 +149,7 @@ def test_kernel_matches_the_w8a8_reference_formula(cpu_kernels):
     w, scale = paddle.to_tensor(stored["weight"]), paddle.to_tensor(stored["weight_scale"])
     x = paddle.to_tensor(gaussian(rng, (9, K)))
     want = int8_linear_reference(x, w, scale, K, act_int8=True).numpy()
-    got = cpu_kernels.fd_w8a8_linear(x, pack_int8_quad_tiles(w), scale, 1).numpy()
+    got = cpu_kernels.fd_w8a8_linear(x, pack_int8_quad_tiles(w), scale, 1, 0).numpy()
     # the same products; the reference sums them in float32
     assert float(np.abs(got - want).max() / np.abs(want).max()) <= 2e-6
 
@@ -138,27 +167,40 @@ def test_two_pieces_stay_within_the_activations_rounding_of_the_wint8_formula(ou
     xn[:, 5] *= outlier
     x = paddle.to_tensor(xn)
     want = int8_linear_reference(x, w, scale, K).numpy()
-    got = cpu_kernels.fd_w8a8_linear(x, pack_int8_quad_tiles(w), scale, 2).numpy()
+    got = cpu_kernels.fd_w8a8_linear(x, pack_int8_quad_tiles(w), scale, 2, 0).numpy()
     dense = (stored["weight"].astype(np.float64) * stored["weight_scale"]).astype(np.float64)
     step = np.abs(xn).max(axis=1, keepdims=True) / 32639
     bound = 0.5 * step * np.abs(dense).sum(axis=0, keepdims=True) + 1e-5 * np.abs(want).max()
     assert np.all(np.abs(got - want) <= bound)
     # and far closer than int8 activations get
-    w8a8 = cpu_kernels.fd_w8a8_linear(x, pack_int8_quad_tiles(w), scale, 1).numpy()
+    w8a8 = cpu_kernels.fd_w8a8_linear(x, pack_int8_quad_tiles(w), scale, 1, 0).numpy()
     assert np.abs(got - want).max() * 50 < np.abs(w8a8 - want).max()
 
 
 def test_kernel_checks_its_arguments(cpu_kernels):
     packed = pack_int8_quad_tiles(paddle.zeros([64, 32], dtype="int8"))
-    assert tuple(cpu_kernels.fd_w8a8_linear(paddle.ones([2, 3, 64]), packed, paddle.ones([1, 32]), 1).shape) == (2, 3, 32)
+    assert tuple(cpu_kernels.fd_w8a8_linear(paddle.ones([2, 3, 64]), packed, paddle.ones([1, 32]), 1, 0).shape) == (2, 3, 32)
     with pytest.raises(Exception, match="must equal the weight's K"):
-        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 60]), packed, paddle.ones([1, 32]), 1)
+        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 60]), packed, paddle.ones([1, 32]), 1, 0)
     with pytest.raises(Exception, match="one value per output channel"):
-        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed, paddle.ones([2, 32]), 2)
+        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed, paddle.ones([2, 32]), 2, 0)
     with pytest.raises(Exception, match="int8"):
-        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed.astype("int32"), paddle.ones([1, 32]), 1)
+        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed.astype("int32"), paddle.ones([1, 32]), 1, 0)
     with pytest.raises(Exception, match="pieces must be 1"):
-        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed, paddle.ones([1, 32]), 3)
+        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed, paddle.ones([1, 32]), 3, 0)
+    with pytest.raises(Exception, match="path must be 0 .auto., 1 .vector., 2 .amx. or 3"):
+        cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed, paddle.ones([1, 32]), 1, 4)
+    if not has_amx_int8():
+        with pytest.raises(Exception, match="needs AMX-INT8 tiles"):
+            cpu_kernels.fd_w8a8_linear(paddle.ones([2, 64]), packed, paddle.ones([1, 32]), 1, AMX)
+
+
+def test_the_tiles_are_used_where_the_cpu_lists_them(cpu_kernels):
+    """A CPU listing AMX-INT8 must run the tiles and pass the kernel's self-check (its sums of a
+    small problem equal the exact ones); one without reports 0. The self-check itself, run on the
+    tile model, passes everywhere."""
+    assert amx_state() == (1 if has_amx_int8() else 0)
+    assert amx_state(model=1) == 1
 
 
 # (method, its ops-table switch, activation pieces, relative distance from its float32 formula)

@@ -28,6 +28,17 @@
 // is rounded) is taken off. AVX2 (vpmaddubsw + vpmaddwd, int8_dot.h) computes sum q xq directly.
 // Without either (no FD_INT8_DOT) a scalar loop computes the same integers.
 //
+// AMX-INT8 (tdpbssd, amx_tiles.h): the quad layout is the B tiles' layout, and the rows' codes
+// (signed, no flip) are A tiles of 16 rows x 16 quads, zero-padded. The same exact integer sums
+// in another order, so the same bits: tests compare every path with the formula bit for bit.
+// The auto path takes tiles for calls of 16 rows or more (a full A tile; a decode row would use
+// one of a tile's 16 rows, and few rows are bound by the weights' stream either way) once the OS
+// granted the tile state and the tiles reproduced the exact sums of a small problem. Not
+// executed on the machines this was written on (no AMX): a software model of the instructions
+// runs the same loop on any CPU (path 3, for tests).
+// `path`: 0 = the CPU's best, 1 = vector (VNNI, AVX2 or scalar), 2 = amx (an error without
+// AMX-INT8), 3 = the amx loop on the tile model.
+//
 // Threads claim (panel of 64 rows, one or two column tiles) items and each tile runs the panel's
 // rows in register blocks (row_panels.h, as fd_bf16_linear's do).
 
@@ -36,9 +47,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "graph.h"
 #include "int8_dot.h"
 #include "paddle/extension.h"
@@ -216,6 +229,105 @@ void gemm(const Problem& p) {
 }
 #endif
 
+enum Path : int64_t { kAuto = 0, kVector = 1, kAmx = 2, kAmxModel = 3 };
+constexpr int64_t kAmxMinRows = fd_amx::kTileRows;  // the auto path's tiles: calls of a full A tile or more
+
+// The rows' pieces as A tiles read them: [pieces, rows rounded up to 16, quads rounded up to 16]
+// 32-bit quads, zero past x.
+struct TileRows {
+  std::vector<uint32_t> a;
+  int64_t rows, stride;
+  const uint32_t* piece(int q) const { return a.data() + q * rows * stride; }
+};
+
+TileRows tile_rows_of(const Rows& rows, int pieces, int64_t M, int64_t K) {
+  TileRows t{{}, fd_amx::padded_rows(M), fd_amx::padded_groups(K / kQuad)};
+  t.a.assign(static_cast<size_t>(pieces * t.rows * t.stride), 0u);
+  for (int q = 0; q < pieces; ++q)
+    for (int64_t m = 0; m < M; ++m) std::memcpy(t.a.data() + (q * t.rows + m) * t.stride, rows.q.data() + (q * M + m) * K, K);
+  return t;
+}
+
+// The amx path: each item's rows of one tile through tiles, piece by piece; the sums of two
+// pieces meet in the same epilogue as the vector path's (float(hi) * 256 + float(lo), fused).
+template <class Tiles, int PIECES>
+void gemm_amx(const Problem& p, const TileRows& a) {
+  fd_kernels::run_row_panels(p.M, p.N / kCols, [&p, &a](int64_t t, int64_t m_begin, int64_t m_end) {
+    const auto* wt = reinterpret_cast<const uint8_t*>(p.w + t * (p.K / kQuad) * kQuadBytes);
+    const float* ws = p.ws + t * kCols;
+    int32_t high[fd_kernels::kPanelRows][kCols];
+    if constexpr (PIECES == 2)
+      fd_amx::tile_rows<Tiles>(fd_amx::Kind::kInt8, a.piece(0), a.stride, wt, p.K / kQuad, m_begin, m_end,
+                               [&](int64_t m, int64_t rows, const uint32_t (*out)[fd_amx::kTileCols]) {
+                                 std::memcpy(high[m - m_begin], out, rows * kCols * sizeof(int32_t));
+                               });
+    fd_amx::tile_rows<Tiles>(
+        fd_amx::Kind::kInt8, a.piece(PIECES - 1), a.stride, wt, p.K / kQuad, m_begin, m_end,
+        [&](int64_t m, int64_t rows, const uint32_t (*out)[fd_amx::kTileCols]) {
+          for (int64_t r = 0; r < rows; ++r) {
+            float* yr = p.y + (m + r) * p.N + t * kCols;
+            const float xs = p.xs[m + r];
+            for (int64_t n = 0; n < kCols; ++n) {
+              float v = static_cast<float>(static_cast<int32_t>(out[r][n]));
+              if constexpr (PIECES == 2) v = std::fma(static_cast<float>(high[m - m_begin + r][n]), 256.f, v);
+              yr[n] = (v * ws[n]) * xs;
+            }
+          }
+        });
+  });
+}
+
+// Whether the auto path may take tiles: AMX-INT8 granted by the OS, and the tiles' sums of a
+// small problem (20 rows: a tile and a part; K = 80: a tile of 16 quads and a tail of 4) equal
+// the exact integer sums. A disagreement is printed and the vector path stays.
+template <class Tiles>
+bool tiles_sum_exactly() {
+  constexpr int64_t M = 20, K = 80, N = 32;
+  std::vector<int8_t> x(M * K), w(N * K);  // w packed: [K / 4, 32, 4]
+  uint32_t seed = 777u;
+  for (auto* v : {&x, &w})
+    for (int8_t& e : *v) e = static_cast<int8_t>(static_cast<int>((seed = seed * 1664525u + 1013904223u) >> 24) % 255 - 127);
+  Rows rows;
+  rows.q = x;
+  const TileRows a = tile_rows_of(rows, 1, M, K);
+  bool exact = true;
+  fd_amx::tile_rows<Tiles>(fd_amx::Kind::kInt8, a.piece(0), a.stride, reinterpret_cast<const uint8_t*>(w.data()),
+                           K / kQuad, 0, M, [&](int64_t m, int64_t n_rows, const uint32_t (*out)[fd_amx::kTileCols]) {
+                             for (int64_t r = 0; r < n_rows; ++r)
+                               for (int64_t n = 0; n < N; ++n) {
+                                 int32_t sum = 0;
+                                 for (int64_t k = 0; k < K; ++k)
+                                   sum += x[(m + r) * K + k] * w[(k / kQuad) * kQuadBytes + n * kQuad + k % kQuad];
+                                 exact = exact && static_cast<int32_t>(out[r][n]) == sum;
+                               }
+                           });
+  return exact;
+}
+
+bool amx_in_use() {
+  static const bool in_use = [] {
+    if (!fd_amx::amx_permitted(fd_amx::Kind::kInt8)) return false;
+#if defined(__x86_64__)
+    if (tiles_sum_exactly<fd_amx::HardwareTiles>()) return true;
+    std::fprintf(stderr, "fd_w8a8_linear: the AMX tile path's integer sums disagreed with the exact sums in its "
+                         "self-check; the vector path is used instead\n");
+#endif
+    return false;
+  }();
+  return in_use;
+}
+
+template <int PIECES>
+void gemm_on(const Problem& p, const Rows& rows, int64_t path) {
+  const bool amx = path == kAmx || (path == kAuto && p.M >= kAmxMinRows && amx_in_use());
+  if (!amx && path != kAmxModel) return gemm<PIECES>(p);
+  const TileRows a = tile_rows_of(rows, PIECES, p.M, p.K);
+#if defined(__x86_64__)
+  if (amx) return gemm_amx<fd_amx::HardwareTiles, PIECES>(p, a);
+#endif
+  gemm_amx<fd_amx::ModelTiles, PIECES>(p, a);
+}
+
 std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
   std::vector<int64_t> shape(x_shape.begin(), x_shape.end() - 1);
   shape.push_back(n);
@@ -225,8 +337,12 @@ std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
 }  // namespace
 
 std::vector<paddle::Tensor> W8a8Linear(const paddle::Tensor& x_in, const paddle::Tensor& weight,
-                                       const paddle::Tensor& scale, int64_t pieces) {
+                                       const paddle::Tensor& scale, int64_t pieces, int64_t path) {
   PD_CHECK(pieces == 1 || pieces == 2, "pieces must be 1 (int8 activations) or 2 (16-bit), got ", pieces);
+  PD_CHECK(path >= kAuto && path <= kAmxModel,
+           "path must be 0 (auto), 1 (vector), 2 (amx) or 3 (amx on the tile model), got ", path);
+  PD_CHECK(path != kAmx || fd_amx::amx_permitted(fd_amx::Kind::kInt8),
+           "the amx path needs AMX-INT8 tiles granted by the OS, which this CPU or kernel does not have");
   PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32, "x must be float32");
   PD_CHECK(weight.dtype() == paddle::DataType::INT8, "weight must be int8");
   const auto& ws = weight.shape();
@@ -243,8 +359,8 @@ std::vector<paddle::Tensor> W8a8Linear(const paddle::Tensor& x_in, const paddle:
     quantize_rows(x.data<float>(), M, K, static_cast<int>(pieces), &rows);
     const Problem p{rows.q.data(), rows.bias.data(), rows.scale.data(), static_cast<const int8_t*>(weight.data()),
                     scale.data<float>(), out.data<float>(), M, K, N};
-    if (M > 0 && pieces == 1) gemm<1>(p);
-    if (M > 0 && pieces == 2) gemm<2>(p);
+    if (M > 0 && pieces == 1) gemm_on<1>(p, rows, path);
+    if (M > 0 && pieces == 2) gemm_on<2>(p, rows, path);
   });
   return {out};
 }
@@ -261,7 +377,21 @@ std::vector<paddle::DataType> W8a8Dtype(const paddle::DataType&, const paddle::D
 PD_BUILD_OP(fd_w8a8_linear)
     .Inputs({"X", "Weight", "Scale"})
     .Outputs({"Out"})
-    .Attrs({"pieces: int64_t"})
+    .Attrs({"pieces: int64_t", "path: int64_t"})
     .SetKernelFn(PD_KERNEL(W8a8Linear))
     .SetInferShapeFn(PD_INFER_SHAPE(W8a8Shape))
     .SetInferDtypeFn(PD_INFER_DTYPE(W8a8Dtype));
+
+// 1 when fd_w8a8_linear's auto path takes AMX tiles in this process (AMX-INT8 granted, self-check
+// passed), else 0; model = 1 runs the self-check on the tile model instead (1 exact, 0 not).
+std::vector<paddle::Tensor> W8a8AmxState(const paddle::Tensor& unused, int64_t model) {
+  auto out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
+  out.data<int64_t>()[0] = (model ? tiles_sum_exactly<fd_amx::ModelTiles>() : amx_in_use()) ? 1 : 0;
+  return {out};
+}
+
+PD_BUILD_OP(fd_w8a8_amx_state)
+    .Inputs({"Unused"})
+    .Outputs({"State"})
+    .Attrs({"model: int64_t"})
+    .SetKernelFn(PD_KERNEL(W8a8AmxState));
