@@ -72,7 +72,7 @@ def main() -> None:
     sys.path[:0] = [root, os.path.join(root, "benchmarks")]
     from run_stamp import run_stamp
 
-    from fastdeploy_core.builtin.cpu.kernels import has_avx512_bf16
+    from fastdeploy_core.builtin.cpu.kernels import matrix_paths
     from fastdeploy_core.config import EngineArgs
     from fastdeploy_core.engine.engine_core import EngineCore
     from fastdeploy_core.engine.outputs import EngineCoreRequest
@@ -207,7 +207,7 @@ def main() -> None:
         "load_average_start": [round(x, 2) for x in load_start],
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "threads": {"omp": os.environ["OMP_NUM_THREADS"], "kernel_pool": os.environ["FD_CPU_KERNEL_THREADS"]},
-        "bf16_kernel_path_auto": "dot (vdpbf16ps)" if has_avx512_bf16() else "widen",
+        "kernel_paths": matrix_paths(),
         "model": "SmolLM2-135M-Instruct Q4_1 GGUF (embedded default), weights dequantized to float32 / rounded to bfloat16",
         "prompt_tokens": args.prompt_tokens,
         "decode_steps": args.decode_steps,

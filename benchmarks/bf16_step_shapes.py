@@ -36,11 +36,12 @@ def main() -> None:
     import paddle
 
     from fastdeploy_core.builtin.cpu import layout
+    from fastdeploy_core.builtin.cpu.kernels import matrix_paths
     from run_stamp import run_stamp
 
     rng = np.random.default_rng(0)
     m = args.rows
-    result = {**run_stamp(), "rows": m, "shapes": []}
+    result = {**run_stamp(), "kernel_paths": matrix_paths(), "rows": m, "shapes": []}
     total_us = total_macs = 0.0
     for name, k, n, count in SHAPES:
         weight = layout.pack_bf16_pair_tiles(

@@ -53,13 +53,13 @@ def main() -> None:
     import paddle
 
     from fastdeploy_core.builtin.cpu import layout
-    from fastdeploy_core.builtin.cpu.kernels import load_kernels
+    from fastdeploy_core.builtin.cpu.kernels import load_kernels, matrix_paths
     from run_stamp import run_stamp
 
     k = load_kernels()
     assert k is not None, "kernels did not build"
     rng = np.random.default_rng(0)
-    stamp = run_stamp()
+    stamp = {**run_stamp(), "kernel_paths": matrix_paths()}
     print(f"# {stamp['cpu_model']}, {stamp['cpus']} cpus, features {', '.join(stamp['matrix_features'])}; "
           f"microseconds per call (GFLOP/s)")
     rows = []

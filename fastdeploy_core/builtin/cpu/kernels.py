@@ -222,6 +222,26 @@ def has_amx_bf16() -> bool:
     return "amx_bf16" in flags and "amx_tile" in flags
 
 
+def matrix_paths() -> dict[str, str]:
+    """Which arithmetic the auto paths of ``fd_bf16_linear`` and ``fd_w8a8_linear`` take in this
+    process (what a benchmark result should say it measured); empty without kernels."""
+    module = load_kernels()
+    if module is None:
+        return {}
+    import paddle
+    from paddle import _C_ops
+
+    def state(op: str) -> int:
+        return int(_C_ops._run_custom_op(op, paddle.zeros([1]), 0)[0].numpy()[0])
+
+    bf16 = state("fd_bf16_amx_state")
+    return {
+        "bf16_linear": "amx tiles (tdpbf16ps)" if bf16 == 1 else "vdpbf16ps" if has_avx512_bf16() else "widen to float32",
+        "int8_linear": "amx tiles (tdpbssd) from 16 rows, else vpdpbusd" if state("fd_w8a8_amx_state") == 1
+        else "vpdpbusd" if "avx512_vnni" in cpu_flags() else "vpmaddubsw" if has_int8_dot() else "scalar",
+    }
+
+
 def kernel_failure() -> str | None:
     """Why :func:`load_kernels` returned ``None`` (after it was called), else ``None``."""
     return _failure

@@ -26,7 +26,7 @@ import numpy as np
 import paddle
 import pytest
 
-from fastdeploy_core.builtin.cpu.kernels import has_amx_bf16, has_avx512_bf16, load_kernels
+from fastdeploy_core.builtin.cpu.kernels import has_amx_bf16, has_avx512_bf16, load_kernels, matrix_paths
 from fastdeploy_core.builtin.cpu.layout import pack_bf16_pair_tiles, unpack_bf16_pair_tiles, unpack_column_tiles
 from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.devices.current import set_current_ops
@@ -231,6 +231,9 @@ def test_the_kernels_run_time_choice_agrees_with_the_cpus_flags(ops):
     assert amx_state() == (1 if has_amx_bf16() else 0)
     # The self-check's own logic, run on the tile model: it agrees.
     assert amx_state(model=1) == 1
+    # ...and what benchmarks record as the path they measured says the same.
+    want = "amx tiles (tdpbf16ps)" if has_amx_bf16() else "vdpbf16ps" if has_avx512_bf16() else "widen to float32"
+    assert matrix_paths()["bf16_linear"] == want
 
 
 @pytest.mark.skipif(has_amx_bf16(), reason="this CPU has AMX-BF16: the tile path runs (tested above)")

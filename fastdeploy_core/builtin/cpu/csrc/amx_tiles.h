@@ -21,7 +21,9 @@
 // Permission: Linux hands out the tile data state only on request (arch_prctl
 // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per process, for all its threads; without it
 // the first tile instruction is a SIGILL. amx_permitted() asks once and says no when the CPU
-// lacks AMX-TILE (+ AMX-BF16 / AMX-INT8) or the kernel refuses (Linux < 5.16).
+// lacks AMX-TILE (+ AMX-BF16 / AMX-INT8) or the kernel refuses: Linux < 5.16, or a thread of the
+// process with an alternate signal stack too small for the tile state (Linux checks them all).
+// The kernels then keep their vector paths; the tests on an AMX CPU fail on such a refusal.
 //
 // Not executed on the machines this was written on (AMD EPYC Zen 4: no AMX): the hardware path.
 #pragma once
