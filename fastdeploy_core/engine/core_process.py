@@ -150,6 +150,10 @@ def _loop(link: _CoreLink, engine: Any, scheduler: Any, parent_pid: int, stoppin
     if pd is not None:
         pd.attach(poller)  # its sockets wake the idle wait too
     stats_dirty = False
+    # The scheduler's counters as last seen: they also change without an event of this loop (a
+    # peer steals from our queue, which we see as a shorter queue at our next pop), and an idle
+    # instance must not keep showing the depth of its last busy step.
+    scheduler_stats: dict[str, Any] = {}
     last_parent_check = time.monotonic()
 
     while not stopping["flag"]:
@@ -221,6 +225,9 @@ def _loop(link: _CoreLink, engine: Any, scheduler: Any, parent_pid: int, stoppin
                     engine.add_request(request)
             except Exception as exc:  # noqa: BLE001 - refused here; its client hears why
                 scheduler.fail(queued, error_payload(exc))
+            stats_dirty = True
+        if scheduler.stats() != scheduler_stats:
+            scheduler_stats = scheduler.stats()
             stats_dirty = True
 
         if engine.has_unfinished_requests():

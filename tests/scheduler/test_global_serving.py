@@ -143,15 +143,17 @@ def test_idle_instances_serve_a_share_token_identical(cluster, reference):
 
 
 def assert_all_freed(*servers):
-    def freed():
-        for srv in servers:
-            m = srv.metrics()
-            if not (m["fastdeploy:gpu_cache_usage_perc"] == 0.0 and m["fastdeploy:num_requests_running"] == 0
-                    and m["fastdeploy:scheduler_queue_depth"] == 0):
-                return False
-        return True
+    names = ("gpu_cache_usage_perc", "num_requests_running", "scheduler_queue_depth")
+    last: list[list[float]] = []
 
-    wait_for(freed, 30, "every KV block freed, nothing running or queued on any instance")
+    def freed():
+        last[:] = [[srv.metrics()[f"fastdeploy:{name}"] for name in names] for srv in servers]
+        return all(values == [0.0, 0, 0] for values in last)
+
+    try:
+        wait_for(freed, 30, "every KV block freed, nothing running or queued on any instance")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last seen per instance {names}: {last}") from None
 
 
 def test_streaming_and_n_and_logprobs_through_stolen_requests(cluster, reference):
@@ -183,6 +185,26 @@ def test_streaming_and_n_and_logprobs_through_stolen_requests(cluster, reference
             assert all(len(top) == 2 for top in ch["logprobs"]["top_logprobs"])
     after = metric(b, "scheduler_requests_stolen_total") + metric(c, "scheduler_requests_stolen_total")
     assert after > before
+
+
+def test_a_queue_emptied_by_thieves_while_its_owner_is_busy_reads_empty_after(cluster):
+    """A runs two long requests (both its slots) while B and C steal and finish the short ones
+    queued behind them, all before A's own finish: A's /metrics must then say its queue is empty
+    and count what it sent to peers, not keep the depth and counts of its last busy step."""
+    _, (a, b, c) = cluster
+    sent = metric(a, "scheduler_requests_sent_to_peers_total")
+    stolen = [metric(srv, "scheduler_requests_stolen_total") for srv in (b, c)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        longs = [pool.submit(complete, a, p, **LONG) for p in PROMPTS[:2]]
+        wait_for(lambda: metric(a, "num_requests_running") == 2, 120, "A runs its two long requests")
+        shorts = list(pool.map(lambda p: complete(a, p), PROMPTS[2:8]))
+        assert refused(shorts) == []
+        assert not all(f.done() for f in longs)  # the shorts finished while A was still busy
+        assert refused([f.result(timeout=HTTP_TIMEOUT) for f in longs]) == []
+    assert_all_freed(a, b, c)
+    stolen_now = sum(metric(srv, "scheduler_requests_stolen_total") for srv in (b, c)) - sum(stolen)
+    assert stolen_now == 6
+    assert metric(a, "scheduler_requests_sent_to_peers_total") - sent == stolen_now
 
 
 def test_client_disconnect_on_a_stolen_request_frees_it_on_the_thief(cluster):
