@@ -29,7 +29,11 @@
 #pragma once
 
 #include <cpuid.h>
+#include <errno.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -68,6 +72,28 @@ inline bool amx_permitted(Kind kind) {
   (void)kind;
   return false;
 #endif
+}
+
+// Whether check() returns true when run in a forked child of this process (one thread, the
+// tile permission inherited): a kernels' self-check of code never executed on the machines it
+// was written on runs there, so that a fault in it (SIGILL, SIGSEGV) is a "no" and the kernels
+// keep their vector paths, instead of killing the server.
+template <class Check>
+inline bool passes_in_child(const Check& check) {
+  const pid_t pid = fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    // A fault ends the child quietly: default actions (not the parent's handlers, such as
+    // Python's faulthandler printing its stacks) and no core file.
+    for (int sig : {SIGILL, SIGSEGV, SIGBUS, SIGFPE}) signal(sig, SIG_DFL);
+    const struct rlimit no_core = {0, 0};
+    setrlimit(RLIMIT_CORE, &no_core);
+    _exit(check() ? 0 : 1);
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0)
+    if (errno != EINTR) return false;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
 // The tile configuration (palette 1): 8 tiles of 16 rows x 64 bytes.

@@ -340,18 +340,27 @@ bool tiles_agree_with_widen(float* worst) {
 }
 
 // Whether the auto path takes AMX tiles: the CPU has AMX-BF16, the OS granted the tile state,
-// and the tiles agreed with the widen path once (tiles_agree_with_widen); a disagreement is
-// printed and the auto path keeps vdpbf16ps.
+// and the tiles agreed with the widen path once, in a forked child (fd_amx::passes_in_child: a
+// fault is a no); otherwise a message says so and the auto path keeps vdpbf16ps.
 enum AmxState : int64_t { kNoAmx = 0, kAmxInUse = 1, kAmxFailedCheck = 2 };
+
+template <class Tiles>
+bool tiles_pass_check() {
+  return fd_amx::passes_in_child([] {
+    float worst = 0.f;
+    const bool agree = tiles_agree_with_widen<Tiles>(&worst);
+    if (!agree) std::fprintf(stderr, "fd_bf16_linear: tiles vs widen path, |difference| up to %g\n", worst);
+    return agree;
+  });
+}
 
 AmxState amx_state() {
   static const AmxState state = [] {
     if (!fd_amx::amx_permitted(fd_amx::Kind::kBf16)) return kNoAmx;
 #if defined(__x86_64__)
-    float worst = 0.f;
-    if (tiles_agree_with_widen<fd_amx::HardwareTiles>(&worst)) return kAmxInUse;
-    std::fprintf(stderr, "fd_bf16_linear: the AMX tile path disagreed with the widen path in its self-check "
-                         "(|difference| up to %g); the dot path is used instead\n", worst);
+    if (tiles_pass_check<fd_amx::HardwareTiles>()) return kAmxInUse;
+    std::fprintf(stderr, "fd_bf16_linear: the AMX tile path failed its self-check (a disagreement with the widen "
+                         "path, or a fault); the dot path is used instead\n");
     return kAmxFailedCheck;
 #else
     return kNoAmx;
@@ -359,6 +368,11 @@ AmxState amx_state() {
   }();
   return state;
 }
+
+// A stand-in for tiles that fault at their first instruction (the safety net's own test).
+struct FaultingTiles : fd_amx::ModelTiles {
+  static void configure(const fd_amx::TileConfig&) { __builtin_trap(); }
+};
 
 }  // namespace
 
@@ -417,12 +431,14 @@ PD_BUILD_OP(fd_bf16_linear)
 
 // The amx path's state in this process: 0 no AMX-BF16 (or the OS refused the tile state), 1 the
 // auto path uses tiles, 2 the tiles failed the self-check and the auto path does not use them.
-// model = 1 runs the self-check on the tile model instead (1 agrees, 2 not): the check's own test.
+// The self-check's own tests: model = 1 runs it on the tile model, model = 2 on tiles that fault
+// (each 1 when it passes, else 2).
 std::vector<paddle::Tensor> Bf16AmxState(const paddle::Tensor& unused, int64_t model) {
+  PD_CHECK(model >= 0 && model <= 2, "model must be 0 (this process's state), 1 (the check on the tile model) or 2 "
+           "(the check on faulting tiles), got ", model);
   auto out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
-  float worst = 0.f;
-  out.data<int64_t>()[0] =
-      model ? (tiles_agree_with_widen<fd_amx::ModelTiles>(&worst) ? kAmxInUse : kAmxFailedCheck) : amx_state();
+  const bool pass = model == 1 ? tiles_pass_check<fd_amx::ModelTiles>() : model == 2 && tiles_pass_check<FaultingTiles>();
+  out.data<int64_t>()[0] = model == 0 ? amx_state() : pass ? kAmxInUse : kAmxFailedCheck;
   return {out};
 }
 
