@@ -195,8 +195,16 @@ def test_a_queue_emptied_by_thieves_while_its_owner_is_busy_reads_empty_after(cl
     sent = metric(a, "scheduler_requests_sent_to_peers_total")
     stolen = [metric(srv, "scheduler_requests_stolen_total") for srv in (b, c)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        longs = [pool.submit(complete, a, p, **LONG) for p in PROMPTS[:2]]
-        wait_for(lambda: metric(a, "num_requests_running") == 2, 120, "A runs its two long requests")
+        # B and C paused (well within their keep-alive) while A takes its two long requests:
+        # otherwise a thief may take one of them between A's queueing and A's own pop.
+        for srv in (b, c):
+            os.killpg(srv.proc.pid, signal.SIGSTOP)
+        try:
+            longs = [pool.submit(complete, a, p, **LONG) for p in PROMPTS[:2]]
+            wait_for(lambda: metric(a, "num_requests_running") == 2, 30, "A runs its two long requests")
+        finally:
+            for srv in (b, c):
+                os.killpg(srv.proc.pid, signal.SIGCONT)
         shorts = list(pool.map(lambda p: complete(a, p), PROMPTS[2:8]))
         assert refused(shorts) == []
         assert not all(f.done() for f in longs)  # the shorts finished while A was still busy
