@@ -226,9 +226,9 @@ def _loop(link: _CoreLink, engine: Any, scheduler: Any, parent_pid: int, stoppin
             except Exception as exc:  # noqa: BLE001 - refused here; its client hears why
                 scheduler.fail(queued, error_payload(exc))
             stats_dirty = True
-        if scheduler.stats() != scheduler_stats:
-            scheduler_stats = scheduler.stats()
-            stats_dirty = True
+        current = scheduler.stats()
+        if current != scheduler_stats:
+            scheduler_stats, stats_dirty = current, True
 
         if engine.has_unfinished_requests():
             try:

@@ -38,6 +38,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 
 namespace fd_amx {
@@ -94,6 +95,21 @@ inline bool passes_in_child(const Check& check) {
   while (waitpid(pid, &status, 0) < 0)
     if (errno != EINTR) return false;
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// Whether a kernel's auto path takes tiles of `kind` in this process.
+enum State : int64_t { kNoTiles = 0, kTilesInUse = 1, kTilesFailedCheck = 2 };
+
+// The state for a kernel whose tile path is checked by check() (true: it computes what the
+// kernel's other path does): no tiles without the OS's permission; else check() in a forked
+// child, and on a failure a message naming the kernel and the path it keeps.
+template <class Check>
+inline State checked_state(Kind kind, const Check& check, const char* kernel, const char* fallback) {
+  if (!amx_permitted(kind)) return kNoTiles;
+  if (passes_in_child(check)) return kTilesInUse;
+  std::fprintf(stderr, "%s: the AMX tile path failed its self-check (a disagreement or a fault); %s is used "
+                       "instead\n", kernel, fallback);
+  return kTilesFailedCheck;
 }
 
 // The tile configuration (palette 1): 8 tiles of 16 rows x 64 bytes.
@@ -268,10 +284,8 @@ inline void tile_block(Kind kind, const TileOperands& op, uint32_t (*out)[kTileC
     Tiles::zero(2);
     Tiles::zero(3);
   }
-  const int64_t full = op.groups / kTileGroups * kTileGroups;
-  for (int64_t j = 0; j <= full; j += kTileGroups) {
-    const uint8_t* b = j < full ? op.w + j * kGroupBytes : op.w_tail;
-    if (b == nullptr) break;
+  // Groups [j, j + 16) of the rows times the 16 groups of weights at b.
+  auto step = [&](int64_t j, const uint8_t* b) {
     Tiles::load(4, op.a + j, a_bytes);
     if (TWO) Tiles::load(5, op.a + kTileRows * op.a_stride + j, a_bytes);
     Tiles::load(6, b, kGroupBytes);
@@ -282,7 +296,10 @@ inline void tile_block(Kind kind, const TileOperands& op, uint32_t (*out)[kTileC
       Tiles::dot(kind, 2);
       Tiles::dot(kind, 3);
     }
-  }
+  };
+  const int64_t full = op.groups / kTileGroups * kTileGroups;
+  for (int64_t j = 0; j < full; j += kTileGroups) step(j, op.w + j * kGroupBytes);
+  if (op.w_tail != nullptr) step(full, op.w_tail);
   Tiles::store(0, &out[0][0], kTileCols * 4);
   Tiles::store(1, &out[0][16], kTileCols * 4);
   if (TWO) {

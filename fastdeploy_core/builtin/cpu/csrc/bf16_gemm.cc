@@ -339,34 +339,24 @@ bool tiles_agree_with_widen(float* worst) {
   return agree;
 }
 
-// Whether the auto path takes AMX tiles: the CPU has AMX-BF16, the OS granted the tile state,
-// and the tiles agreed with the widen path once, in a forked child (fd_amx::passes_in_child: a
-// fault is a no); otherwise a message says so and the auto path keeps vdpbf16ps.
-enum AmxState : int64_t { kNoAmx = 0, kAmxInUse = 1, kAmxFailedCheck = 2 };
-
+// The tile path checked once in a forked child against the widen path (fd_amx::checked_state).
 template <class Tiles>
-bool tiles_pass_check() {
-  return fd_amx::passes_in_child([] {
-    float worst = 0.f;
-    const bool agree = tiles_agree_with_widen<Tiles>(&worst);
-    if (!agree) std::fprintf(stderr, "fd_bf16_linear: tiles vs widen path, |difference| up to %g\n", worst);
-    return agree;
-  });
+bool tiles_agree() {
+  float worst = 0.f;
+  const bool agree = tiles_agree_with_widen<Tiles>(&worst);
+  if (!agree) std::fprintf(stderr, "fd_bf16_linear: tiles vs widen path, |difference| up to %g\n", worst);
+  return agree;
 }
 
-AmxState amx_state() {
-  static const AmxState state = [] {
-    if (!fd_amx::amx_permitted(fd_amx::Kind::kBf16)) return kNoAmx;
+// Whether the auto path takes AMX tiles (AMX-BF16 granted by the OS, self-check passed).
+fd_amx::State amx_state() {
 #if defined(__x86_64__)
-    if (tiles_pass_check<fd_amx::HardwareTiles>()) return kAmxInUse;
-    std::fprintf(stderr, "fd_bf16_linear: the AMX tile path failed its self-check (a disagreement with the widen "
-                         "path, or a fault); the dot path is used instead\n");
-    return kAmxFailedCheck;
-#else
-    return kNoAmx;
-#endif
-  }();
+  static const fd_amx::State state = fd_amx::checked_state(fd_amx::Kind::kBf16, tiles_agree<fd_amx::HardwareTiles>,
+                                                           "fd_bf16_linear", "the dot path");
   return state;
+#else
+  return fd_amx::kNoTiles;
+#endif
 }
 
 // A stand-in for tiles that fault at their first instruction (the safety net's own test).
@@ -388,7 +378,7 @@ std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x_in, const paddle:
            "the amx path needs AMX-BF16 tiles granted by the OS, which this CPU or kernel does not have");
   const int64_t K2 = ws[1], N = ws[0] * kCols, K = x_in.shape().back();
   PD_CHECK(K == 2 * K2 || K == 2 * K2 - 1, "x's last axis (", K, ") does not fit the weight's ", K2, " k pairs");
-  const bool amx = path == kAmx || (path == kAuto && amx_state() == kAmxInUse);
+  const bool amx = path == kAmx || (path == kAuto && amx_state() == fd_amx::kTilesInUse);
   const bool dot = path == kDot || (path == kAuto && cpu_has_bf16_dot());
   auto out = fd_graph::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32);
   fd_graph::run("fd_bf16_linear", {&x_in, &weight}, {&out}, [=]() mutable {
@@ -437,8 +427,9 @@ std::vector<paddle::Tensor> Bf16AmxState(const paddle::Tensor& unused, int64_t m
   PD_CHECK(model >= 0 && model <= 2, "model must be 0 (this process's state), 1 (the check on the tile model) or 2 "
            "(the check on faulting tiles), got ", model);
   auto out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
-  const bool pass = model == 1 ? tiles_pass_check<fd_amx::ModelTiles>() : model == 2 && tiles_pass_check<FaultingTiles>();
-  out.data<int64_t>()[0] = model == 0 ? amx_state() : pass ? kAmxInUse : kAmxFailedCheck;
+  const bool pass = model == 1 ? fd_amx::passes_in_child(tiles_agree<fd_amx::ModelTiles>)
+                   : model == 2 && fd_amx::passes_in_child(tiles_agree<FaultingTiles>);
+  out.data<int64_t>()[0] = model == 0 ? amx_state() : pass ? fd_amx::kTilesInUse : fd_amx::kTilesFailedCheck;
   return {out};
 }
 

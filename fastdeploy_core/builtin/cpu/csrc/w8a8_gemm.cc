@@ -71,9 +71,10 @@ inline float max_code(int pieces) { return pieces == 1 ? 127.f : static_cast<flo
 // The rows of x as int8 pieces, their scales and what each piece's integer sums carry beyond
 // sum q piece (128 * the sum of the row's piece where the weights are flipped, see above).
 struct Rows {
-  std::vector<int8_t> q;     // [pieces, M, K]: the codes (one piece), or the high then the low pieces
+  std::vector<int8_t> q;     // [pieces, rows, stride]: the codes (one piece), or the high then the low pieces
   std::vector<float> scale;  // [M]
   std::vector<int32_t> bias; // [pieces, M]
+  int64_t rows = 0, stride = 0;  // M and K, or for tiles rounded up to whole tiles (zero past x)
 };
 
 #if defined(FD_INT8_DOT)
@@ -97,15 +98,18 @@ inline void split_code(int a, int pieces, int8_t* hi, int8_t* lo, int32_t* sum_h
   *sum_lo += a - 256 * h;
 }
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int pieces, Rows* out) {
-  out->q.resize(static_cast<size_t>(pieces * M * K));
+// tiles: lay the codes out as A tiles read them (fd_amx: rows and quads rounded up to 16, zeros).
+void quantize_rows(const float* x, int64_t M, int64_t K, int pieces, bool tiles, Rows* out) {
+  out->rows = tiles ? fd_amx::padded_rows(M) : M;
+  out->stride = tiles ? fd_amx::padded_groups(K / kQuad) * kQuad : K;
+  out->q.assign(static_cast<size_t>(pieces * out->rows * out->stride), 0);
   out->scale.resize(M);
   out->bias.resize(pieces * M);
   const float top = max_code(pieces);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
-    int8_t* hr = out->q.data() + m * K;
-    int8_t* lr = out->q.data() + (M + m) * K;  // the low pieces (two pieces only)
+    int8_t* hr = out->q.data() + m * out->stride;
+    int8_t* lr = out->q.data() + (out->rows + m) * out->stride;  // the low pieces (two pieces only)
     float amax = 0.f;
     int64_t k = 0;
 #if defined(FD_INT8_DOT)
@@ -149,13 +153,14 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int pieces, Rows* out) 
 }
 
 struct Problem {
-  const int8_t* xq;     // [pieces, M, K]
+  const int8_t* xq;     // [pieces, x_rows, x_stride]
   const int32_t* bias;  // [pieces, M]
   const float* xs;      // [M]
   const int8_t* w;      // [N / 32, K / 4, 32, 4]
   const float* ws;      // [N]
   float* y;             // [M, N]
   int64_t M, K, N;
+  int64_t x_rows, x_stride;  // Rows::rows, Rows::stride
 };
 
 #if defined(FD_INT8_DOT)
@@ -172,8 +177,8 @@ void tile(const Problem& p, int64_t m, int64_t t) {
   I32 acc[ROWS][PIECES][2];
   for (int r = 0; r < ROWS; ++r)
     for (int q = 0; q < PIECES; ++q) acc[r][q][0] = acc[r][q][1] = zero_i();
-  const int64_t piece_stride = p.M * p.K;
-  const int8_t* xr = p.xq + m * p.K;
+  const int64_t piece_stride = p.x_rows * p.x_stride;
+  const int8_t* xr = p.xq + m * p.x_stride;
   for (int64_t c = 0; c < p.K / kQuad; ++c) {
     const int8_t* src = wt + c * kQuadBytes;
     if (ROWS <= 2) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
@@ -182,7 +187,7 @@ void tile(const Problem& p, int64_t m, int64_t t) {
     for (int r = 0; r < ROWS; ++r)
       for (int q = 0; q < PIECES; ++q) {
         int32_t four;
-        std::memcpy(&four, xr + q * piece_stride + r * p.K + c * kQuad, 4);
+        std::memcpy(&four, xr + q * piece_stride + r * p.x_stride + c * kQuad, 4);
         const I32 xv = set1_i(four);
         acc[r][q][0] = dot_u8(acc[r][q][0], u0, xv);
         acc[r][q][1] = dot_u8(acc[r][q][1], u1, xv);
@@ -221,7 +226,7 @@ void gemm(const Problem& p) {
       int32_t sum[2] = {0, 0};
       for (int q = 0; q < PIECES; ++q)
         for (int64_t k = 0; k < p.K; ++k)
-          sum[q] += p.xq[(q * p.M + m) * p.K + k] * wt[(k / kQuad) * kQuadBytes + k % kQuad];
+          sum[q] += p.xq[(q * p.x_rows + m) * p.x_stride + k] * wt[(k / kQuad) * kQuadBytes + k % kQuad];
       float v = static_cast<float>(sum[0]);
       if (PIECES == 2) v = std::fma(v, 256.f, static_cast<float>(sum[1]));
       p.y[m * p.N + n] = (v * p.ws[n]) * p.xs[m];
@@ -232,37 +237,24 @@ void gemm(const Problem& p) {
 enum Path : int64_t { kAuto = 0, kVector = 1, kAmx = 2, kAmxModel = 3 };
 constexpr int64_t kAmxMinRows = fd_amx::kTileRows;  // the auto path's tiles: calls of a full A tile or more
 
-// The rows' pieces as A tiles read them: [pieces, rows rounded up to 16, quads rounded up to 16]
-// 32-bit quads, zero past x.
-struct TileRows {
-  std::vector<uint32_t> a;
-  int64_t rows, stride;
-  const uint32_t* piece(int q) const { return a.data() + q * rows * stride; }
-};
-
-TileRows tile_rows_of(const Rows& rows, int pieces, int64_t M, int64_t K) {
-  TileRows t{{}, fd_amx::padded_rows(M), fd_amx::padded_groups(K / kQuad)};
-  t.a.assign(static_cast<size_t>(pieces * t.rows * t.stride), 0u);
-  for (int q = 0; q < pieces; ++q)
-    for (int64_t m = 0; m < M; ++m) std::memcpy(t.a.data() + (q * t.rows + m) * t.stride, rows.q.data() + (q * M + m) * K, K);
-  return t;
-}
-
-// The amx path: each item's rows of one tile through tiles, piece by piece; the sums of two
-// pieces meet in the same epilogue as the vector path's (float(hi) * 256 + float(lo), fused).
+// The amx path: each item's rows of one tile through tiles, piece by piece (quantize_rows laid
+// the codes out for tiles); the sums of two pieces meet in the same epilogue as the vector
+// path's (float(hi) * 256 + float(lo), fused).
 template <class Tiles, int PIECES>
-void gemm_amx(const Problem& p, const TileRows& a) {
-  fd_kernels::run_row_panels(p.M, p.N / kCols, [&p, &a](int64_t t, int64_t m_begin, int64_t m_end) {
+void gemm_amx(const Problem& p) {
+  const int64_t a_stride = p.x_stride / kQuad;
+  auto piece = [&p](int q) { return reinterpret_cast<const uint32_t*>(p.xq + q * p.x_rows * p.x_stride); };
+  fd_kernels::run_row_panels(p.M, p.N / kCols, [&](int64_t t, int64_t m_begin, int64_t m_end) {
     const auto* wt = reinterpret_cast<const uint8_t*>(p.w + t * (p.K / kQuad) * kQuadBytes);
     const float* ws = p.ws + t * kCols;
     int32_t high[fd_kernels::kPanelRows][kCols];
     if constexpr (PIECES == 2)
-      fd_amx::tile_rows<Tiles>(fd_amx::Kind::kInt8, a.piece(0), a.stride, wt, p.K / kQuad, m_begin, m_end,
+      fd_amx::tile_rows<Tiles>(fd_amx::Kind::kInt8, piece(0), a_stride, wt, p.K / kQuad, m_begin, m_end,
                                [&](int64_t m, int64_t rows, const uint32_t (*out)[fd_amx::kTileCols]) {
                                  std::memcpy(high[m - m_begin], out, rows * kCols * sizeof(int32_t));
                                });
     fd_amx::tile_rows<Tiles>(
-        fd_amx::Kind::kInt8, a.piece(PIECES - 1), a.stride, wt, p.K / kQuad, m_begin, m_end,
+        fd_amx::Kind::kInt8, piece(PIECES - 1), a_stride, wt, p.K / kQuad, m_begin, m_end,
         [&](int64_t m, int64_t rows, const uint32_t (*out)[fd_amx::kTileCols]) {
           for (int64_t r = 0; r < rows; ++r) {
             float* yr = p.y + (m + r) * p.N + t * kCols;
@@ -277,21 +269,20 @@ void gemm_amx(const Problem& p, const TileRows& a) {
   });
 }
 
-// Whether the auto path may take tiles: AMX-INT8 granted by the OS, and the tiles' sums of a
-// small problem (20 rows: a tile and a part; K = 80: a tile of 16 quads and a tail of 4) equal
-// the exact integer sums. A disagreement is printed and the vector path stays.
+// The tiles' sums of a small problem (20 rows: a tile and a part; K = 80: a tile of 16 quads and
+// a tail of 4) against the exact integer sums (fd_amx::checked_state runs it in a forked child).
 template <class Tiles>
 bool tiles_sum_exactly() {
   constexpr int64_t M = 20, K = 80, N = 32;
+  const int64_t stride = fd_amx::padded_groups(K / kQuad);
   std::vector<int8_t> x(M * K), w(N * K);  // w packed: [K / 4, 32, 4]
   uint32_t seed = 777u;
   for (auto* v : {&x, &w})
     for (int8_t& e : *v) e = static_cast<int8_t>(static_cast<int>((seed = seed * 1664525u + 1013904223u) >> 24) % 255 - 127);
-  Rows rows;
-  rows.q = x;
-  const TileRows a = tile_rows_of(rows, 1, M, K);
+  std::vector<uint32_t> a(fd_amx::padded_rows(M) * stride, 0u);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(a.data() + m * stride, x.data() + m * K, K);
   bool exact = true;
-  fd_amx::tile_rows<Tiles>(fd_amx::Kind::kInt8, a.piece(0), a.stride, reinterpret_cast<const uint8_t*>(w.data()),
+  fd_amx::tile_rows<Tiles>(fd_amx::Kind::kInt8, a.data(), stride, reinterpret_cast<const uint8_t*>(w.data()),
                            K / kQuad, 0, M, [&](int64_t m, int64_t n_rows, const uint32_t (*out)[fd_amx::kTileCols]) {
                              for (int64_t r = 0; r < n_rows; ++r)
                                for (int64_t n = 0; n < N; ++n) {
@@ -304,29 +295,30 @@ bool tiles_sum_exactly() {
   return exact;
 }
 
-bool amx_in_use() {
-  static const bool in_use = [] {
-    if (!fd_amx::amx_permitted(fd_amx::Kind::kInt8)) return false;
+// Whether the auto path takes AMX tiles (AMX-INT8 granted by the OS, self-check passed).
+fd_amx::State amx_state() {
 #if defined(__x86_64__)
-    // In a forked child: a fault of the never-executed tile code is a no, not a crash.
-    if (fd_amx::passes_in_child(tiles_sum_exactly<fd_amx::HardwareTiles>)) return true;
-    std::fprintf(stderr, "fd_w8a8_linear: the AMX tile path failed its self-check (sums unlike the exact ones, or a "
-                         "fault); the vector path is used instead\n");
+  static const fd_amx::State state = fd_amx::checked_state(
+      fd_amx::Kind::kInt8, tiles_sum_exactly<fd_amx::HardwareTiles>, "fd_w8a8_linear", "the vector path");
+  return state;
+#else
+  return fd_amx::kNoTiles;
 #endif
-    return false;
-  }();
-  return in_use;
+}
+
+// Which loop a call of M rows takes: the vector loop, the tiles or the tile model.
+Path path_for(int64_t path, int64_t M) {
+  if (path == kAuto) return M >= kAmxMinRows && amx_state() == fd_amx::kTilesInUse ? kAmx : kVector;
+  return static_cast<Path>(path);
 }
 
 template <int PIECES>
-void gemm_on(const Problem& p, const Rows& rows, int64_t path) {
-  const bool amx = path == kAmx || (path == kAuto && p.M >= kAmxMinRows && amx_in_use());
-  if (!amx && path != kAmxModel) return gemm<PIECES>(p);
-  const TileRows a = tile_rows_of(rows, PIECES, p.M, p.K);
+void gemm_on(const Problem& p, Path path) {
 #if defined(__x86_64__)
-  if (amx) return gemm_amx<fd_amx::HardwareTiles, PIECES>(p, a);
+  if (path == kAmx) return gemm_amx<fd_amx::HardwareTiles, PIECES>(p);
 #endif
-  gemm_amx<fd_amx::ModelTiles, PIECES>(p, a);
+  if (path == kAmxModel) return gemm_amx<fd_amx::ModelTiles, PIECES>(p);
+  gemm<PIECES>(p);
 }
 
 std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
@@ -356,12 +348,13 @@ std::vector<paddle::Tensor> W8a8Linear(const paddle::Tensor& x_in, const paddle:
   fd_graph::run("fd_w8a8_linear", {&x_in, &weight, &scale}, {&out}, [=]() mutable {
     const paddle::Tensor x = x_in.contiguous();
     const int64_t M = K > 0 ? x.numel() / K : 0;
+    const Path loop = path_for(path, M);
     Rows rows;
-    quantize_rows(x.data<float>(), M, K, static_cast<int>(pieces), &rows);
+    quantize_rows(x.data<float>(), M, K, static_cast<int>(pieces), loop != kVector, &rows);
     const Problem p{rows.q.data(), rows.bias.data(), rows.scale.data(), static_cast<const int8_t*>(weight.data()),
-                    scale.data<float>(), out.data<float>(), M, K, N};
-    if (M > 0 && pieces == 1) gemm_on<1>(p, rows, path);
-    if (M > 0 && pieces == 2) gemm_on<2>(p, rows, path);
+                    scale.data<float>(), out.data<float>(), M, K, N, rows.rows, rows.stride};
+    if (M > 0 && pieces == 1) gemm_on<1>(p, loop);
+    if (M > 0 && pieces == 2) gemm_on<2>(p, loop);
   });
   return {out};
 }
@@ -383,12 +376,16 @@ PD_BUILD_OP(fd_w8a8_linear)
     .SetInferShapeFn(PD_INFER_SHAPE(W8a8Shape))
     .SetInferDtypeFn(PD_INFER_DTYPE(W8a8Dtype));
 
-// 1 when fd_w8a8_linear's auto path takes AMX tiles in this process (AMX-INT8 granted, self-check
-// passed), else 0; model = 1 runs the self-check on the tile model instead (1 exact, 0 not).
+// fd_w8a8_linear's tiles in this process: 0 no AMX-INT8 (or the OS refused the tile state), 1 the
+// auto path uses them, 2 they failed the self-check. model = 1 runs the self-check on the tile
+// model instead (1 it passes, 2 not): the check's own test.
 std::vector<paddle::Tensor> W8a8AmxState(const paddle::Tensor& unused, int64_t model) {
+  PD_CHECK(model == 0 || model == 1, "model must be 0 (this process's state) or 1 (the check on the tile model), got ",
+           model);
   auto out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
-  out.data<int64_t>()[0] =
-      (model ? fd_amx::passes_in_child(tiles_sum_exactly<fd_amx::ModelTiles>) : amx_in_use()) ? 1 : 0;
+  out.data<int64_t>()[0] = model == 0 ? amx_state()
+                           : fd_amx::passes_in_child(tiles_sum_exactly<fd_amx::ModelTiles>) ? fd_amx::kTilesInUse
+                                                                                            : fd_amx::kTilesFailedCheck;
   return {out};
 }
 
