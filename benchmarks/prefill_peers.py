@@ -15,8 +15,8 @@ each runs every length once untimed before timing it (vLLM's first forward at a 
 more than the next ones).
 Wall clock and CPU seconds of the process (all threads) are both recorded; on a shared machine
 the CPU seconds are the figure to compare. Writes ``benchmarks/results/prefill_peers.json``
-(stamped with the CPU model, its matrix features, the load average and the peer's version) and
-prints a table.
+(stamped with the CPU model, its matrix features, the arithmetic our kernels' auto paths take
+on it, the load average and the peer's version) and prints a table.
 
     .venv/bin/python benchmarks/prefill_peers.py [--lengths 512,2048,4096,8000] [--skip-vllm]
 """
@@ -78,7 +78,10 @@ def main() -> int:
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
 
-    stamp = run_stamp()
+    sys.path.insert(0, ROOT)
+    from fastdeploy_core.builtin.cpu.kernels import matrix_paths
+
+    stamp = {**run_stamp(), "kernel_paths": matrix_paths()}
     variants: dict[str, list[dict]] = {}
     for name, extra in [("ours fp32", []), ("ours bf16 linears", ["--dtype", "bfloat16"]),
                         *((f"ours {e}", e.split()) for e in args.ours_extra)]:

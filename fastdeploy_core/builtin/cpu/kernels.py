@@ -68,6 +68,7 @@ HEADERS = (
     _CSRC / "cpu_features.h",
     _CSRC / "int8_dot.h",
     _CSRC / "amx_tiles.h",
+    _CSRC / "amx_attention.h",
 )
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
 LD_FLAGS = ["-pthread"]
@@ -223,8 +224,9 @@ def has_amx_bf16() -> bool:
 
 
 def matrix_paths() -> dict[str, str]:
-    """Which arithmetic the auto paths of ``fd_bf16_linear`` and ``fd_w8a8_linear`` take in this
-    process (what a benchmark result should say it measured); empty without kernels."""
+    """Which arithmetic the auto paths of ``fd_bf16_linear``, ``fd_w8a8_linear`` and the attention
+    of prompt chunks over a bfloat16 KV cache take in this process (what a benchmark result should
+    say it measured); empty without kernels."""
     module = load_kernels()
     if module is None:
         return {}
@@ -234,9 +236,12 @@ def matrix_paths() -> dict[str, str]:
     def state(op: str) -> int:
         return int(_C_ops._run_custom_op(op, paddle.zeros([1]), 0)[0].numpy()[0])
 
-    bf16 = state("fd_bf16_amx_state")
+    def bf16(op: str) -> str:
+        return "amx tiles (tdpbf16ps)" if state(op) == 1 else "vdpbf16ps" if has_avx512_bf16() else "widen to float32"
+
     return {
-        "bf16_linear": "amx tiles (tdpbf16ps)" if bf16 == 1 else "vdpbf16ps" if has_avx512_bf16() else "widen to float32",
+        "bf16_linear": bf16("fd_bf16_amx_state"),
+        "bf16_kv_prompt_attention": bf16("fd_attention_amx_state"),
         "int8_linear": "amx tiles (tdpbssd) from 16 rows, else vpdpbusd" if state("fd_w8a8_amx_state") == 1
         else "vpdpbusd" if "avx512_vnni" in cpu_flags() else "vpmaddubsw" if has_int8_dot() else "scalar",
     }

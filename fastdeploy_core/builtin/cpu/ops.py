@@ -164,7 +164,8 @@ class CpuOps(CpuQuantOps, ReferenceOps):
     #: ``vdpbf16ps`` with AVX-512 BF16, else widening), 1 widens the weights to float32 in the
     #: tile loop (``FD_BF16_DOT=0``), 2 ``vdpbf16ps`` without tiles (``FD_BF16_AMX=0``). Widening
     #: and ``vdpbf16ps`` give the same bits, tiles sum in their own order; tests pass the path to
-    #: :meth:`bf16_linear` instead.
+    #: :meth:`bf16_linear` instead. The attention over a bfloat16 KV cache takes the same path
+    #: number (its AMX tiles, for prompt chunks, have their own self-check: ``fd_attention_amx_state``).
     bf16_path = (
         1 if os.environ.get("FD_BF16_DOT", "1") in ("0", "")
         else 2 if os.environ.get("FD_BF16_AMX", "1") in ("0", "") and has_avx512_bf16()

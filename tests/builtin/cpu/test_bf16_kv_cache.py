@@ -15,7 +15,14 @@ CPU's best). The kernels are held to:
 * the fused op and the cpu ops table agree with the reference ops on bfloat16 caches (the
   conformance kit's ``check_bf16_kv_cache``, short and >= 2k-token scenarios).
 
-The vdpbf16ps path runs only where the CPU has AVX-512 BF16; elsewhere its tests skip saying so.
+Prompt chunks (items of 12 or more query rows) multiply in AMX tiles on CPUs with AMX-BF16 (path 3,
+and path 0 once the tiles passed their self-check); path 4 runs the same tile loop on a software
+model of the instructions (``csrc/amx_attention.h``), on any CPU. The tile path is held to the
+same formula and the same agreement with the widen path as vdpbf16ps.
+
+The vdpbf16ps path runs only where the CPU has AVX-512 BF16, the AMX path only where the CPU has
+AMX-BF16 and the OS grants the tile state; elsewhere their tests skip saying so (on the machines
+this was written on, the AMX tile instructions were never executed: only their model).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import paddle
 import pytest
 
 from fastdeploy_core.builtin.cpu.device import CpuDevice
-from fastdeploy_core.builtin.cpu.kernels import has_avx512_bf16
+from fastdeploy_core.builtin.cpu.kernels import has_amx_bf16, has_avx512_bf16, load_kernels, matrix_paths
 from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.testing import checks
 from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
@@ -92,9 +99,24 @@ SPECS = {
 }
 
 
-#: The attention paths this CPU runs: 1 (widen) everywhere, 2 (vdpbf16ps) with AVX-512 BF16.
+def tiles_state(model: int = 0) -> int:
+    """``fd_attention_amx_state``: 0 no AMX tiles here, 1 the auto path multiplies prompt chunks in
+    them, 2 they failed the self-check (``model=1``: the self-check on the tile model, 1 = passed)."""
+    if load_kernels() is None:
+        return 0
+    from paddle import _C_ops
+
+    return int(_C_ops._run_custom_op("fd_attention_amx_state", paddle.zeros([1]), model)[0].numpy()[0])
+
+
+TILES_IN_USE = tiles_state() == 1
+NO_TILES = "the AMX tile instructions were not executed: this CPU or kernel has no AMX-BF16 tiles"
+
+#: The attention paths this CPU runs: 1 (widen) and 4 (the tile loop on the tile model)
+#: everywhere, 2 (vdpbf16ps) with AVX-512 BF16, 3 (AMX tiles) with AMX-BF16.
 PATHS = [1, pytest.param(2, marks=pytest.mark.skipif(not has_avx512_bf16(),
-                                                      reason="this CPU has no AVX-512 BF16 (vdpbf16ps)"))]
+                                                      reason="this CPU has no AVX-512 BF16 (vdpbf16ps)")),
+         pytest.param(3, marks=pytest.mark.skipif(not TILES_IN_USE, reason=NO_TILES)), 4]
 
 
 @pytest.mark.parametrize("specs", list(SPECS.values()), ids=list(SPECS))
@@ -124,13 +146,26 @@ def test_bf16_cache_write_and_both_attention_paths(specs, window, cpu_kernels):
     auto = cpu_kernels.fd_paged_attention(bq, bk, bv, *_step(meta), scale, window, 0).numpy()
     abs_v = bf16_tensor(rne_bf16(np.abs(widen(bits_of(bv)))))
     weighted_abs = cpu_kernels.fd_paged_attention(bq, bk, abs_v, *_step(meta), scale, window, 1).numpy()
-    for path in (2,) if has_avx512_bf16() else ():
-        got = cpu_kernels.fd_paged_attention(bq, bk, bv, *_step(meta), scale, window, path).numpy()
-        checks.assert_within_weight_rounding(got, widened, weighted_abs, f"path {path} against path 1")
-        assert np.mean(np.isclose(got, widened, rtol=1e-5, atol=1e-6)) > 0.99
-        np.testing.assert_array_equal(auto, got)  # the CPU's best is vdpbf16ps here
-    if not has_avx512_bf16():
-        np.testing.assert_array_equal(auto, widened)
+    paths = [4] + ([2] if has_avx512_bf16() else []) + ([3] if TILES_IN_USE else [])
+    got = {}
+    for path in paths:
+        got[path] = cpu_kernels.fd_paged_attention(bq, bk, bv, *_step(meta), scale, window, path).numpy()
+        checks.assert_within_weight_rounding(got[path], widened, weighted_abs, f"path {path} against path 1")
+        assert np.mean(np.isclose(got[path], widened, rtol=1e-5, atol=1e-6)) > 0.99
+    # The CPU's best: tiles for prompt chunks (vdpbf16ps for decodes) where they are in use, else
+    # vdpbf16ps, else widening.
+    best = 3 if TILES_IN_USE else 2 if has_avx512_bf16() else 1
+    np.testing.assert_array_equal(auto, got.get(best, widened))
+    # The tile model runs for prompt chunks only: decode-only steps are the narrow paths' bits;
+    # with a prompt chunk of 12+ rows it sums in the tiles' order, which shows in some bits.
+    narrow = 2 if has_avx512_bf16() else 1
+    narrow_out = got.get(narrow, widened)
+    if all(q == 1 for q, _ in specs):
+        np.testing.assert_array_equal(got[4], narrow_out)
+    else:
+        assert not np.array_equal(got[4], narrow_out)
+    if TILES_IN_USE:  # the instructions against their model: float32 rounding apart
+        np.testing.assert_allclose(got[3], got[4], rtol=1e-5, atol=1e-6)
     # ... and not what the unrounded float32 cache gives (the rounding is really read).
     unrounded = cpu_kernels.fd_paged_attention(fq, fk, fv, *_step(meta), scale, window, 0)
     assert not np.array_equal(auto, unrounded.numpy())
@@ -205,13 +240,28 @@ def test_bf16_cache_attention_is_the_formula(path, q_len, ctx, cpu_kernels):
 
 
 def test_bad_attention_paths_are_refused(cpu_kernels):
-    """An unknown path always; path 2 where the CPU lacks AVX-512 BF16 (runs it elsewhere)."""
+    """An unknown path always; path 2 where the CPU lacks AVX-512 BF16 and path 3 where it has no
+    AMX-BF16 tiles (each runs elsewhere)."""
     meta, q, a, v_rows, k, v = _one_hot_case(1, 10)
-    with pytest.raises(Exception, match="bf16_path must be 0"):
-        cpu_kernels.fd_paged_attention(paddle.to_tensor(q), k, v, *_step(meta), 1.0, 0, 3)
+    for bad in (5, -1):
+        with pytest.raises(Exception, match=r"bf16_path must be 0 .* 4 \(AMX tiles on their software model\), got"):
+            cpu_kernels.fd_paged_attention(paddle.to_tensor(q), k, v, *_step(meta), 1.0, 0, bad)
     if not has_avx512_bf16():
         with pytest.raises(Exception, match="needs AVX-512 BF16"):
             cpu_kernels.fd_paged_attention(paddle.to_tensor(q), k, v, *_step(meta), 1.0, 0, 2)
+    if not has_amx_bf16():
+        with pytest.raises(Exception, match="bf16_path 3 needs AMX-BF16 tiles granted by the OS"):
+            cpu_kernels.fd_paged_attention(paddle.to_tensor(q), k, v, *_step(meta), 1.0, 0, 3)
+
+
+def test_the_tiles_state_and_their_self_check(cpu_kernels):
+    """The auto path takes tiles exactly where the CPU lists AMX-BF16 (the OS granting the state and
+    the self-check passing there); the self-check itself passes on the tile model; benchmarks
+    record the choice."""
+    assert tiles_state() == (1 if has_amx_bf16() else 0)
+    assert tiles_state(model=1) == 1
+    want = "amx tiles (tdpbf16ps)" if has_amx_bf16() else "vdpbf16ps" if has_avx512_bf16() else "widen to float32"
+    assert matrix_paths()["bf16_kv_prompt_attention"] == want
 
 
 def test_mixed_cache_dtypes_are_refused(cpu_kernels):

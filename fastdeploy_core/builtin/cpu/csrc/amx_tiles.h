@@ -1,5 +1,6 @@
-// AMX tiles for the linear layers' many-row steps (Intel Sapphire Rapids and later): whether
-// this process may use them, the tile operations, and one 32-column tile of a GEMM on them.
+// AMX tiles for the linear layers' many-row steps and the attention of prompt chunks
+// (amx_attention.h) (Intel Sapphire Rapids and later): whether this process may use them, the
+// tile operations, and one 32-column tile of a GEMM on them.
 //
 // The weights' packed layouts are already what a B tile reads: fd_bf16_linear's [N / 32, K / 2,
 // 32, 2] and fd_w8a8_linear's [N / 32, K / 4, 32, 4] both store, per 32-bit group of k (a pair
@@ -268,9 +269,10 @@ struct TileScope {
 struct TileOperands {
   const uint32_t* a;     // the block's first row
   int64_t a_stride;      // groups per row of a
-  const uint8_t* w;      // the weight tile: [groups, 32 columns, 4 bytes]
+  const uint8_t* w;      // the weight tile: [groups, 32 columns, 4 bytes], groups b_stride bytes apart
   int64_t groups;        // k groups of the weights
   const uint8_t* w_tail; // the last groups % 16 groups, zero-padded to 16 (nullptr when none)
+  int64_t b_stride = kGroupBytes;  // bytes from one group of w to the next (a packed weight: 128)
 };
 
 // out[r][c] (r < rows <= 32, 32 columns, 32-bit sums: float for bf16, int32 for int8) =
@@ -284,12 +286,12 @@ inline void tile_block(Kind kind, const TileOperands& op, uint32_t (*out)[kTileC
     Tiles::zero(2);
     Tiles::zero(3);
   }
-  // Groups [j, j + 16) of the rows times the 16 groups of weights at b.
-  auto step = [&](int64_t j, const uint8_t* b) {
+  // Groups [j, j + 16) of the rows times the 16 groups of weights at b (groups stride bytes apart).
+  auto step = [&](int64_t j, const uint8_t* b, int64_t stride) {
     Tiles::load(4, op.a + j, a_bytes);
     if (TWO) Tiles::load(5, op.a + kTileRows * op.a_stride + j, a_bytes);
-    Tiles::load(6, b, kGroupBytes);
-    Tiles::load(7, b + 64, kGroupBytes);
+    Tiles::load(6, b, stride);
+    Tiles::load(7, b + 64, stride);
     Tiles::dot(kind, 0);
     Tiles::dot(kind, 1);
     if (TWO) {
@@ -298,8 +300,8 @@ inline void tile_block(Kind kind, const TileOperands& op, uint32_t (*out)[kTileC
     }
   };
   const int64_t full = op.groups / kTileGroups * kTileGroups;
-  for (int64_t j = 0; j < full; j += kTileGroups) step(j, op.w + j * kGroupBytes);
-  if (op.w_tail != nullptr) step(full, op.w_tail);
+  for (int64_t j = 0; j < full; j += kTileGroups) step(j, op.w + j * op.b_stride, op.b_stride);
+  if (op.w_tail != nullptr) step(full, op.w_tail, kGroupBytes);  // padded_tail's copy
   Tiles::store(0, &out[0][0], kTileCols * 4);
   Tiles::store(1, &out[0][16], kTileCols * 4);
   if (TWO) {

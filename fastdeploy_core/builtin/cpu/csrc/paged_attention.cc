@@ -27,6 +27,10 @@
 // rounded to nearest, ties to even (Paddle's cast), and attention over it multiplies in bfloat16
 // and adds in float32 (queries and softmax weights rounded to bfloat16; bf16_attention.h: the
 // formula and its two paths, vdpbf16ps or widening; `bf16_path` picks one as fd_bf16_linear's).
+// On CPUs with AMX-BF16 the wide items (prompt chunks) multiply in AMX tiles (amx_attention.h),
+// after a self-check of the tiles in a forked child; narrow items (decodes) keep vdpbf16ps.
+// `bf16_path`: 0 the CPU's best, 1 widen, 2 vdpbf16ps, 3 AMX tiles for wide items, 4 the same on
+// the software model of the tiles (tests).
 
 #include <immintrin.h>
 
@@ -38,6 +42,7 @@
 
 #include "paddle/extension.h"
 #include "graph.h"
+#include "amx_attention.h"
 #include "bf16_attention.h"
 #include "thread_pool.h"
 #include "vector_math.h"
@@ -296,6 +301,7 @@ struct AttentionJob {
   const int64_t* tables;     // [B, MB]
   int64_t max_blocks, block_size, num_heads, num_kv_heads, d, window, group, rows_max;
   bool bf16_dot;  // a bfloat16 cache: multiply with vdpbf16ps (else widen the tiles)
+  fd_amx_attention::Mode tiles;  // a bfloat16 cache: wide items multiply in AMX tiles (or their model)
   float scale;
   float* out;  // [T, h, d]
   const Item* items;
@@ -457,9 +463,16 @@ void attend_item(void* ctx, int64_t index) {
   // A bfloat16 cache: queries rounded to bfloat16 (bf16_attention.h); with vdpbf16ps the scores
   // and the weighted values read the cached rows as they are, else the tile's rows are widened.
   const bool bf16 = j.k16 != nullptr;
-  const bool dot_scores = bf16 && j.bf16_dot && (!narrow || fd_bf16_attention::narrow_takes(d));
-  const bool dot_pv = bf16 && j.bf16_dot && fd_bf16_attention::pv_takes(d);
-  qr.assign(mp * d, 0.f);
+  // AMX tiles (amx_attention.h) for a wide item: the query pairs over mq columns (32 per B tile),
+  // the keys gathered into key_rows, the weights and values packed as key pairs (wa, vp).
+  const bool tiles = bf16 && !narrow && j.tiles != fd_amx_attention::Mode::kOff && fd_amx_attention::takes(d);
+  thread_local std::vector<uint16_t> key_rows;
+  thread_local std::vector<uint32_t> wa;
+  const fd_amx_attention::ItemTiles item_tiles(tiles ? j.tiles : fd_amx_attention::Mode::kOff);
+  const int64_t mq = tiles ? fd_amx_attention::query_columns(mp) : mp;
+  const bool dot_scores = !tiles && bf16 && j.bf16_dot && (!narrow || fd_bf16_attention::narrow_takes(d));
+  const bool dot_pv = !tiles && bf16 && j.bf16_dot && fd_bf16_attention::pv_takes(d);
+  qr.assign(mq * d, 0.f);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t t = it.t_begin + r / token_rows, head = it.g * group + r % token_rows;
     const float* src = j.q + (t * h + head) * d;
@@ -467,7 +480,10 @@ void attend_item(void* ctx, int64_t index) {
     if (bf16)
       for (int64_t c = 0; c < d; ++c) qr[r * d + c] = fd_bf16_attention::round_float(qr[r * d + c]);
   }
-  if (dot_scores && !narrow) {
+  if (tiles) {
+    qp.resize(d / 2 * mq);
+    fd_bf16_attention::pack_query_pairs(qr.data(), mq, d, qp.data());
+  } else if (dot_scores && !narrow) {
     qp.resize(d / 2 * mp);
     fd_bf16_attention::pack_query_pairs(qr.data(), mp, d, qp.data());
   } else if (dot_scores) {
@@ -502,6 +518,11 @@ void attend_item(void* ctx, int64_t index) {
     wide_off.resize(kKeyTile);
     for (int64_t jj = 0; jj < kKeyTile; ++jj) wide_off[jj] = jj * d;
     k = kw.data(), v = vw.data();
+    if (tiles) {
+      key_rows.resize(fd_amx_attention::round_up(kKeyTile, 32) * d);
+      wa.assign(fd_amx_attention::round_up(m, 32) * fd_amx_attention::weight_pairs(kKeyTile), 0u);
+      vp.resize(fd_amx_attention::weight_pairs(kKeyTile) * d);
+    }
     if (dot_pv) {
       pp.resize((kKeyTile / 2) * mp);
       vp.resize((kKeyTile / 2) * d);
@@ -527,12 +548,16 @@ void attend_item(void* ctx, int64_t index) {
           _mm_prefetch(vbase + next_off[jj] * elem + b, _MM_HINT_T1);
         }
     }
-    if (bf16) {
+    if (bf16 && !tiles) {
       for (int64_t jj = 0; jj < nk; ++jj) {
         if (!dot_scores) widen_bf16(k16 + off[jj], kw.data() + jj * d, d);
         if (!dot_pv) widen_bf16(v16 + off[jj], vw.data() + jj * d, d);
       }
     }
+    if (tiles) {
+      fd_amx_attention::gather_keys(k16, off.data(), nk, d, key_rows.data());
+      fd_amx_attention::scores(j.tiles, key_rows.data(), nk, d, qp.data(), mq, mp, st.data());
+    } else
 #if defined(__x86_64__)
     if (dot_scores && narrow) {
       zero_padding_rows(st.data(), m, mp, nk);
@@ -601,6 +626,13 @@ void attend_item(void* ctx, int64_t index) {
       store16(mv.data() + rv, m_new);
       store16(av.data() + rv, alpha);
     }
+    if (tiles) {
+      const int64_t ps = fd_amx_attention::weight_pairs(kKeyTile);  // one stride for wa's zero rows past m
+      fd_amx_attention::pack_weight_rows(st.data(), nk, mp, m, ps, wa.data());
+      fd_amx_attention::pack_value_rows(v16, off.data(), nk, d, ps, vp.data());
+      fd_amx_attention::weighted_values(j.tiles, wa.data(), ps, m, vp.data(), d, av.data(), o.data());
+      continue;
+    }
 #if defined(__x86_64__)
     if (dot_pv) {
       fd_bf16_attention::pack_weight_pairs(st.data(), nk, mp, pp.data());
@@ -653,6 +685,19 @@ void combine_partials(const AttentionJob& j, const Item& it, int64_t first, int6
   }
 }
 
+// Whether the auto path multiplies wide items in AMX tiles in this process: AMX-BF16 granted by
+// the OS and the tiles' self-check (amx_attention.h) passed in a forked child.
+fd_amx::State attention_tiles_state() {
+#if defined(__x86_64__)
+  static const fd_amx::State state =
+      fd_amx::checked_state(fd_amx::Kind::kBf16, fd_amx_attention::tiles_agree<fd_amx::HardwareTiles>,
+                            "fd_paged_attention", "vdpbf16ps");
+  return state;
+#else
+  return fd_amx::kNoTiles;
+#endif
+}
+
 }  // namespace
 
 // Attention of q [T, h, d] into out (T * h * d floats), the caches' checks included.
@@ -661,9 +706,12 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
                           const paddle::Tensor& block_tables, float scale, int64_t sliding_window,
                           int64_t bf16_path, float* out) {
   PD_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
-  PD_CHECK(bf16_path >= 0 && bf16_path <= 2, "bf16_path must be 0 (the CPU's best), 1 (widen) or 2 (vdpbf16ps)");
+  PD_CHECK(bf16_path >= 0 && bf16_path <= 4, "bf16_path must be 0 (the CPU's best), 1 (widen), 2 (vdpbf16ps), "
+           "3 (AMX tiles) or 4 (AMX tiles on their software model), got ", bf16_path);
   PD_CHECK(bf16_path != 2 || fd_bf16_attention::cpu_has_dot(),
            "bf16_path 2 needs AVX-512 BF16 (vdpbf16ps), which this CPU does not have");
+  PD_CHECK(bf16_path != 3 || fd_amx::amx_permitted(fd_amx::Kind::kBf16),
+           "bf16_path 3 needs AMX-BF16 tiles granted by the OS, which this CPU or kernel does not have");
   PD_CHECK(q_in.dtype() == paddle::DataType::FLOAT32 && q_in.shape().size() == 3, "q must be float32 [T, h, d]");
   const int64_t T = q_in.shape()[0], h = q_in.shape()[1], d = q_in.shape()[2];
   PD_CHECK(k_cache.shape().size() == 4, "k_cache must be [num_blocks, block_size, kvh, d]");
@@ -688,6 +736,12 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
   const int64_t tokens_per_item = std::max<int64_t>(1, kRowsPerItem / group);
   const bool bf16 = is_bf16(k_cache);
   const bool bf16_dot = bf16 && bf16_path != 1 && fd_bf16_attention::cpu_has_dot();
+  using fd_amx_attention::Mode;
+  const Mode tiles = !bf16 ? Mode::kOff
+                     : bf16_path == 3 ? Mode::kHardware
+                     : bf16_path == 4 ? Mode::kModel
+                     : bf16_path == 0 && attention_tiles_state() == fd_amx::kTilesInUse ? Mode::kHardware
+                                                                                        : Mode::kOff;
   const int64_t threads = fd_kernels::Pool::instance().threads();
   // Decode tokens' items hold several kv heads (decode_heads_per_item) on the paths that take
   // them, when there are enough decode tokens to give every thread kItemsPerThread items anyway.
@@ -769,6 +823,7 @@ void paged_attention_into(const paddle::Tensor& q_in, const paddle::Tensor& k_ca
                    group,
                    rows_max,
                    bf16_dot,
+                   tiles,
                    scale,
                    out,
                    work.data(),
@@ -874,6 +929,26 @@ PD_BUILD_OP(fd_paged_attention)
     .SetKernelFn(PD_KERNEL(PagedAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionDtype));
+
+// The tile path's state in this process (model = 0: 0 no AMX-BF16 or the OS refused the tile
+// state, 1 the auto path multiplies wide items in tiles, 2 the tiles failed the self-check), or
+// the self-check run on the tile model (model = 1: 1 when it passes, else 2).
+std::vector<paddle::Tensor> AttentionAmxState(const paddle::Tensor& unused, int64_t model) {
+  PD_CHECK(model == 0 || model == 1, "model must be 0 (this process's state) or 1 (the check on the tile model), got ",
+           model);
+  auto out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
+  out.data<int64_t>()[0] = model == 0 ? attention_tiles_state()
+                           : fd_amx::passes_in_child(fd_amx_attention::tiles_agree<fd_amx::ModelTiles>)
+                               ? fd_amx::kTilesInUse
+                               : fd_amx::kTilesFailedCheck;
+  return {out};
+}
+
+PD_BUILD_OP(fd_attention_amx_state)
+    .Inputs({"Unused"})
+    .Outputs({"State"})
+    .Attrs({"model: int64_t"})
+    .SetKernelFn(PD_KERNEL(AttentionAmxState));
 
 PD_BUILD_OP(fd_rope_paged_attention)
     .Inputs({"QKV", "Positions", "CosSin", "KCache", "VCache", "Slots", "QueryStart", "SeqLens", "BlockTables"})
