@@ -223,26 +223,49 @@ def has_amx_bf16() -> bool:
     return "amx_bf16" in flags and "amx_tile" in flags
 
 
+def has_amx_int8() -> bool:
+    """Whether this CPU lists AMX tiles with INT8 (``fd_w8a8_linear``'s auto path then multiplies
+    calls of 16 rows or more in tiles, once the OS grants the tile state and the tiles pass the
+    kernel's self-check: ``fd_w8a8_amx_state``)."""
+    flags = cpu_flags()
+    return "amx_int8" in flags and "amx_tile" in flags
+
+
+#: The kernels' AMX state ops: ``fd_bf16_linear``, ``fd_w8a8_linear`` and the attention of prompt
+#: chunks over a bfloat16 KV cache.
+AMX_STATE_OPS = ("fd_bf16_amx_state", "fd_w8a8_amx_state", "fd_attention_amx_state")
+
+
+def amx_state(op: str, model: int = 0) -> int:
+    """A kernel's AMX tiles in this process (``op``: one of :data:`AMX_STATE_OPS`): 0 none (no AMX
+    here, or the OS refused the tile state), 1 its auto path uses them, 2 they failed the kernel's
+    self-check. ``model=1`` runs that self-check on the software model of the tiles instead (1 it
+    passes, 2 not); ``fd_bf16_amx_state`` also takes ``model=2``, tiles that fault (the check's
+    safety net). 0 without kernels."""
+    if op not in AMX_STATE_OPS:
+        raise ValueError(f"{op!r} is not one of the AMX state ops {AMX_STATE_OPS}")
+    if load_kernels() is None:
+        return 0
+    import paddle
+    from paddle import _C_ops
+
+    return int(_C_ops._run_custom_op(op, paddle.zeros([1]), int(model))[0].numpy()[0])
+
+
 def matrix_paths() -> dict[str, str]:
     """Which arithmetic the auto paths of ``fd_bf16_linear``, ``fd_w8a8_linear`` and the attention
     of prompt chunks over a bfloat16 KV cache take in this process (what a benchmark result should
     say it measured); empty without kernels."""
-    module = load_kernels()
-    if module is None:
+    if load_kernels() is None:
         return {}
-    import paddle
-    from paddle import _C_ops
-
-    def state(op: str) -> int:
-        return int(_C_ops._run_custom_op(op, paddle.zeros([1]), 0)[0].numpy()[0])
 
     def bf16(op: str) -> str:
-        return "amx tiles (tdpbf16ps)" if state(op) == 1 else "vdpbf16ps" if has_avx512_bf16() else "widen to float32"
+        return "amx tiles (tdpbf16ps)" if amx_state(op) == 1 else "vdpbf16ps" if has_avx512_bf16() else "widen to float32"
 
     return {
         "bf16_linear": bf16("fd_bf16_amx_state"),
         "bf16_kv_prompt_attention": bf16("fd_attention_amx_state"),
-        "int8_linear": "amx tiles (tdpbssd) from 16 rows, else vpdpbusd" if state("fd_w8a8_amx_state") == 1
+        "int8_linear": "amx tiles (tdpbssd) from 16 rows, else vpdpbusd" if amx_state("fd_w8a8_amx_state") == 1
         else "vpdpbusd" if "avx512_vnni" in cpu_flags() else "vpmaddubsw" if has_int8_dot() else "scalar",
     }
 

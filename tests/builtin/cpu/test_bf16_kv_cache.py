@@ -36,7 +36,7 @@ import paddle
 import pytest
 
 from fastdeploy_core.builtin.cpu.device import CpuDevice
-from fastdeploy_core.builtin.cpu.kernels import has_amx_bf16, has_avx512_bf16, load_kernels, matrix_paths
+from fastdeploy_core.builtin.cpu.kernels import amx_state, has_amx_bf16, has_avx512_bf16, matrix_paths
 from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.testing import checks
 from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
@@ -100,13 +100,10 @@ SPECS = {
 
 
 def tiles_state(model: int = 0) -> int:
-    """``fd_attention_amx_state``: 0 no AMX tiles here, 1 the auto path multiplies prompt chunks in
-    them, 2 they failed the self-check (``model=1``: the self-check on the tile model, 1 = passed)."""
-    if load_kernels() is None:
-        return 0
-    from paddle import _C_ops
-
-    return int(_C_ops._run_custom_op("fd_attention_amx_state", paddle.zeros([1]), model)[0].numpy()[0])
+    """``fd_attention_amx_state`` (``kernels.amx_state``): 0 no AMX tiles here, 1 the auto path
+    multiplies prompt chunks in them, 2 they failed the self-check (``model=1``: the self-check on
+    the tile model, 1 = passed)."""
+    return amx_state("fd_attention_amx_state", model)
 
 
 TILES_IN_USE = tiles_state() == 1

@@ -26,6 +26,7 @@ import numpy as np
 import paddle
 import pytest
 
+from fastdeploy_core.builtin.cpu.kernels import amx_state as kernel_amx_state
 from fastdeploy_core.builtin.cpu.kernels import has_amx_bf16, has_avx512_bf16, load_kernels, matrix_paths
 from fastdeploy_core.builtin.cpu.layout import pack_bf16_pair_tiles, unpack_bf16_pair_tiles, unpack_column_tiles
 from fastdeploy_core.builtin.cpu.ops import CpuOps
@@ -37,13 +38,9 @@ WIDEN, DOT, AUTO, AMX, AMX_MODEL = 1, 2, 0, 3, 4
 
 
 def amx_state(model: int = 0) -> int:
-    """``fd_bf16_amx_state``: 0 no AMX tiles here, 1 the auto path uses them, 2 they failed the
-    kernel's self-check (``model=1``: that self-check run on the tile model)."""
-    if load_kernels() is None:
-        return 0
-    from paddle import _C_ops
-
-    return int(_C_ops._run_custom_op("fd_bf16_amx_state", paddle.zeros([1]), model)[0].numpy()[0])
+    """``fd_bf16_amx_state`` (``kernels.amx_state``): 0 no AMX tiles here, 1 the auto path uses
+    them, 2 they failed the kernel's self-check (``model=1``: that self-check on the tile model)."""
+    return kernel_amx_state("fd_bf16_amx_state", model)
 
 
 AMX_IN_USE = amx_state() == 1
@@ -233,6 +230,8 @@ def test_the_kernels_run_time_choice_agrees_with_the_cpus_flags(ops):
     # tiles that fault at their first instruction it says no, and this process lives on.
     assert amx_state(model=1) == 1
     assert amx_state(model=2) == 2
+    with pytest.raises(ValueError, match="not one of the AMX state ops"):
+        kernel_amx_state("fd_bf16_linear")
     # ...and what benchmarks record as the path they measured says the same.
     want = "amx tiles (tdpbf16ps)" if has_amx_bf16() else "vdpbf16ps" if has_avx512_bf16() else "widen to float32"
     assert matrix_paths()["bf16_linear"] == want

@@ -24,7 +24,8 @@ import numpy as np
 import paddle
 import pytest
 
-from fastdeploy_core.builtin.cpu.kernels import load_kernels
+from fastdeploy_core.builtin.cpu.kernels import amx_state as kernel_amx_state
+from fastdeploy_core.builtin.cpu.kernels import has_amx_int8
 from fastdeploy_core.builtin.cpu.layout import pack_int8_quad_tiles, unpack_column_tiles, unpack_int8_quad_tiles
 from fastdeploy_core.builtin.cpu.ops import CpuOps
 from fastdeploy_core.devices.current import set_current_ops
@@ -38,19 +39,9 @@ AUTO, VECTOR, AMX, AMX_MODEL = 0, 1, 2, 3
 
 
 def amx_state(model: int = 0) -> int:
-    """``fd_w8a8_amx_state``: 1 when the auto path takes AMX-INT8 tiles here (``model=1``: the
-    kernel's self-check run on the tile model passes), else 0."""
-    if load_kernels() is None:
-        return 0
-    from paddle import _C_ops
-
-    return int(_C_ops._run_custom_op("fd_w8a8_amx_state", paddle.zeros([1]), model)[0].numpy()[0])
-
-
-def has_amx_int8() -> bool:
-    from fastdeploy_core.devices.host_cpu import cpu_flags
-
-    return {"amx_tile", "amx_int8"} <= set(cpu_flags())
+    """``fd_w8a8_amx_state`` (``kernels.amx_state``): 1 when the auto path takes AMX-INT8 tiles
+    here (``model=1``: the kernel's self-check run on the tile model passes), else 0 or 2."""
+    return kernel_amx_state("fd_w8a8_amx_state", model)
 
 
 PATHS = [AUTO, VECTOR, AMX_MODEL] + ([AMX] if amx_state() else [])

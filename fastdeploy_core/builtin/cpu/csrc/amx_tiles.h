@@ -101,13 +101,20 @@ inline bool passes_in_child(const Check& check) {
 // Whether a kernel's auto path takes tiles of `kind` in this process.
 enum State : int64_t { kNoTiles = 0, kTilesInUse = 1, kTilesFailedCheck = 2 };
 
+// What check() run in a forked child says: tiles in use (it passed) or failed. The kernels'
+// state ops also report it for their self-check run on the tile model (the check's own tests).
+template <class Check>
+inline State check_state(const Check& check) {
+  return passes_in_child(check) ? kTilesInUse : kTilesFailedCheck;
+}
+
 // The state for a kernel whose tile path is checked by check() (true: it computes what the
 // kernel's other path does): no tiles without the OS's permission; else check() in a forked
 // child, and on a failure a message naming the kernel and the path it keeps.
 template <class Check>
 inline State checked_state(Kind kind, const Check& check, const char* kernel, const char* fallback) {
   if (!amx_permitted(kind)) return kNoTiles;
-  if (passes_in_child(check)) return kTilesInUse;
+  if (check_state(check) == kTilesInUse) return kTilesInUse;
   std::fprintf(stderr, "%s: the AMX tile path failed its self-check (a disagreement or a fault); %s is used "
                        "instead\n", kernel, fallback);
   return kTilesFailedCheck;

@@ -427,9 +427,9 @@ std::vector<paddle::Tensor> Bf16AmxState(const paddle::Tensor& unused, int64_t m
   PD_CHECK(model >= 0 && model <= 2, "model must be 0 (this process's state), 1 (the check on the tile model) or 2 "
            "(the check on faulting tiles), got ", model);
   auto out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
-  const bool pass = model == 1 ? fd_amx::passes_in_child(tiles_agree<fd_amx::ModelTiles>)
-                   : model == 2 && fd_amx::passes_in_child(tiles_agree<FaultingTiles>);
-  out.data<int64_t>()[0] = model == 0 ? amx_state() : pass ? fd_amx::kTilesInUse : fd_amx::kTilesFailedCheck;
+  out.data<int64_t>()[0] = model == 0   ? amx_state()
+                           : model == 1 ? fd_amx::check_state(tiles_agree<fd_amx::ModelTiles>)
+                                        : fd_amx::check_state(tiles_agree<FaultingTiles>);
   return {out};
 }
 

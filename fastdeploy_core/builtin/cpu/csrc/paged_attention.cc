@@ -937,10 +937,8 @@ std::vector<paddle::Tensor> AttentionAmxState(const paddle::Tensor& unused, int6
   PD_CHECK(model == 0 || model == 1, "model must be 0 (this process's state) or 1 (the check on the tile model), got ",
            model);
   auto out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
-  out.data<int64_t>()[0] = model == 0 ? attention_tiles_state()
-                           : fd_amx::passes_in_child(fd_amx_attention::tiles_agree<fd_amx::ModelTiles>)
-                               ? fd_amx::kTilesInUse
-                               : fd_amx::kTilesFailedCheck;
+  out.data<int64_t>()[0] =
+      model == 0 ? attention_tiles_state() : fd_amx::check_state(fd_amx_attention::tiles_agree<fd_amx::ModelTiles>);
   return {out};
 }
 

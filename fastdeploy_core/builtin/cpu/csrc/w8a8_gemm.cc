@@ -383,9 +383,7 @@ std::vector<paddle::Tensor> W8a8AmxState(const paddle::Tensor& unused, int64_t m
   PD_CHECK(model == 0 || model == 1, "model must be 0 (this process's state) or 1 (the check on the tile model), got ",
            model);
   auto out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
-  out.data<int64_t>()[0] = model == 0 ? amx_state()
-                           : fd_amx::passes_in_child(tiles_sum_exactly<fd_amx::ModelTiles>) ? fd_amx::kTilesInUse
-                                                                                            : fd_amx::kTilesFailedCheck;
+  out.data<int64_t>()[0] = model == 0 ? amx_state() : fd_amx::check_state(tiles_sum_exactly<fd_amx::ModelTiles>);
   return {out};
 }
 
