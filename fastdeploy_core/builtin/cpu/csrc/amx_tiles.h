@@ -294,7 +294,19 @@ inline void tile_block(Kind kind, const TileOperands& op, uint32_t (*out)[kTileC
     Tiles::zero(3);
   }
   // Groups [j, j + 16) of the rows times the 16 groups of weights at b (groups stride bytes apart).
+  const int64_t full = op.groups / kTileGroups * kTileGroups;
   auto step = [&](int64_t j, const uint8_t* b, int64_t stride) {
+    // The next step's rows of x and weights, asked into L1 while this step multiplies: without
+    // it the tile loads wait on L2 (measured on a Xeon with AMX: ~20% of the loop's time).
+    if (j + kTileGroups < full) {
+      const char* next_a = reinterpret_cast<const char*>(op.a + j + kTileGroups);
+      for (int64_t r = 0; r < (TWO ? kBlockRows : kTileRows); ++r) __builtin_prefetch(next_a + r * a_bytes, 0, 3);
+      const char* next_b = reinterpret_cast<const char*>(b) + kTileGroups * stride;
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        __builtin_prefetch(next_b + r * stride, 0, 3);
+        __builtin_prefetch(next_b + r * stride + 64, 0, 3);
+      }
+    }
     Tiles::load(4, op.a + j, a_bytes);
     if (TWO) Tiles::load(5, op.a + kTileRows * op.a_stride + j, a_bytes);
     Tiles::load(6, b, stride);
@@ -306,7 +318,6 @@ inline void tile_block(Kind kind, const TileOperands& op, uint32_t (*out)[kTileC
       Tiles::dot(kind, 3);
     }
   };
-  const int64_t full = op.groups / kTileGroups * kTileGroups;
   for (int64_t j = 0; j < full; j += kTileGroups) step(j, op.w + j * op.b_stride, op.b_stride);
   if (op.w_tail != nullptr) step(full, op.w_tail, kGroupBytes);  // padded_tail's copy
   Tiles::store(0, &out[0][0], kTileCols * 4);
