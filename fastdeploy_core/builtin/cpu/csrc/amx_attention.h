@@ -4,7 +4,8 @@
 //
 // The formula is bf16_attention.h's (rounded queries, rounded softmax weights, float32 sums);
 // tiles sum in their own order (per tdpbf16ps: 16 k pairs in two chains, then added to C), so
-// this path agrees with the dot and widen paths to float32 rounding, not bit for bit.
+// this path agrees with the dot and widen paths to float32 rounding, not bit for bit (with the
+// tile model it agrees bit for bit, on an AMX CPU).
 //
 // Both products are amx_tiles.h's tile_block, with the operands laid out as it reads them:
 //   scores   st[j][r] = key_j . q_r: A = the tile's key rows gathered from the cache
@@ -17,8 +18,8 @@
 //            a [32 rows x 32 columns] block of the sums, added to the rescaled output after.
 // Head sizes a multiple of 32 (whole tiles of k pairs, whole 32-column blocks): 32, 64, 128, ...
 //
-// Not executed on the machines this was written on (AMD EPYC Zen 4: no AMX): the hardware path.
-// The tests run it on amx_tiles.h's software model of the instructions (Mode::kModel).
+// The hardware path ran on an Intel Xeon with AMX (2026-12-06); on CPUs without AMX the tests run
+// the loop on amx_tiles.h's software model of the instructions (Mode::kModel).
 #pragma once
 
 #include <algorithm>

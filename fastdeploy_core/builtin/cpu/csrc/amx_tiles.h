@@ -16,8 +16,8 @@
 //   ModelTiles: a software model of the same instructions (rows, bytes, per-row sums; the
 //     bfloat16 sums in the order the SDM's Operation section gives, with its DAZ / FTZ), which
 //     runs on any CPU: the tests check the loop's addressing, padding and remainders through it
-//     on machines without AMX. Hardware bits of tdpbf16ps are not assumed to equal the model's
-//     (the tests compare the hardware path with a tolerance; the integer sums are exact either way).
+//     on machines without AMX. On an Intel Xeon with AMX (2026-12-06) the instructions gave the
+//     model's bits exactly, bfloat16 and int8; the tests compare the two bit for bit.
 //
 // Permission: Linux hands out the tile data state only on request (arch_prctl
 // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per process, for all its threads; without it
@@ -26,7 +26,9 @@
 // process with an alternate signal stack too small for the tile state (Linux checks them all).
 // The kernels then keep their vector paths; the tests on an AMX CPU fail on such a refusal.
 //
-// Not executed on the machines this was written on (AMD EPYC Zen 4: no AMX): the hardware path.
+// Executed on an Intel Xeon with AMX-BF16 / AMX-INT8 (2026-12-06, 2 vCPUs): the tests, and the
+// benchmarks in benchmarks/perf_cpu.md. Earlier machines of this project (AMD EPYC Zen 4) have no
+// AMX and run only the model.
 #pragma once
 
 #include <cpuid.h>
@@ -77,9 +79,9 @@ inline bool amx_permitted(Kind kind) {
 }
 
 // Whether check() returns true when run in a forked child of this process (one thread, the
-// tile permission inherited): a kernels' self-check of code never executed on the machines it
-// was written on runs there, so that a fault in it (SIGILL, SIGSEGV) is a "no" and the kernels
-// keep their vector paths, instead of killing the server.
+// tile permission inherited): a kernel's self-check of its tile path runs there, so that a fault
+// in it (SIGILL, SIGSEGV: a hypervisor that lists AMX but does not pass the state through, say) is
+// a "no" and the kernels keep their vector paths, instead of killing the server.
 template <class Check>
 inline bool passes_in_child(const Check& check) {
   const pid_t pid = fork();

@@ -27,14 +27,14 @@
 //   amx   (AMX-BF16, tdpbf16ps; amx_tiles.h): 32 x 32 blocks of sums in tiles, 16 k pairs per
 //         instruction. Its order is the instruction's, not the two paths' above: per instruction
 //         and output, two chains (even and odd k) from zero, then their sum added to the output
-//         (the SDM's Operation section), so its bits differ from theirs, and tests compare it
-//         with a tolerance. That order depends on K alone, never on the rows beside a row, so
+//         (the SDM's Operation section), so its bits differ from theirs; tests compare it
+//         bit for bit with an emulation of that order. That order depends on K alone, never on the rows beside a row, so
 //         a request's results do not depend on its batch: on an AMX CPU the auto path takes
 //         tiles at every row count (one decode row too), never the dot path for some steps.
 //         Before its first use the process checks the tile path once against the widen path on
 //         a small problem; a disagreement is printed and the dot path is used instead.
-//         Not executed on the machines this was written on (no AMX): ModelTiles, a software
-//         model of the instructions, runs the same loop on any CPU (path 4, for tests).
+//         ModelTiles, a software model of the instructions, runs the same loop on any CPU
+//         (path 4, for tests); on an AMX CPU the instructions give its bits.
 // `path`: 0 = the CPU's best (amx, else dot, else widen), 1 = widen, 2 = dot (an error without
 // AVX-512 BF16), 3 = amx (an error without AMX-BF16), 4 = the amx loop on the tile model.
 //

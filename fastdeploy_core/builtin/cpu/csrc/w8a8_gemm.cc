@@ -33,9 +33,9 @@
 // in another order, so the same bits: tests compare every path with the formula bit for bit.
 // The auto path takes tiles for calls of 16 rows or more (a full A tile; a decode row would use
 // one of a tile's 16 rows, and few rows are bound by the weights' stream either way) once the OS
-// granted the tile state and the tiles reproduced the exact sums of a small problem. Not
-// executed on the machines this was written on (no AMX): a software model of the instructions
-// runs the same loop on any CPU (path 3, for tests).
+// granted the tile state and the tiles reproduced the exact sums of a small problem. A software
+// model of the instructions runs the same loop on any CPU (path 3, for tests of machines
+// without AMX).
 // `path`: 0 = the CPU's best, 1 = vector (VNNI, AVX2 or scalar), 2 = amx (an error without
 // AMX-INT8), 3 = the amx loop on the tile model.
 //
