@@ -195,12 +195,13 @@ bool tiles_agree() {
     std::memcpy(&f, &bits, sizeof(f));
     return static_cast<double>(f);
   };
-  std::vector<uint16_t> keys(nk * d), kb(round_up(nk, 32) * d);
+  std::vector<uint16_t> keys(nk * d);
+  fd_amx::TileBuffer<uint16_t> kb(round_up(nk, 32) * d);
   std::vector<int64_t> off(nk);
   for (auto& x : keys) x = next();
   for (int64_t j = 0; j < nk; ++j) off[j] = (nk - 1 - j) * d;  // rows gathered out of order
   gather_keys(keys.data(), off.data(), nk, d, kb.data());
-  std::vector<uint32_t> qp(d / 2 * mq, 0u);
+  fd_amx::TileBuffer<uint32_t> qp(d / 2 * mq, 0u);
   for (int64_t i = 0; i < d / 2; ++i)
     for (int64_t r = 0; r < mp; ++r) qp[i * mq + r] = next() | static_cast<uint32_t>(next()) << 16;
   std::vector<float> st(nk * mp, 0.f);
@@ -219,7 +220,7 @@ bool tiles_agree() {
       if (!(std::fabs(st[j * mp + r] - want) <= 1e-5 * mag)) return false;
     }
   // Weighted values: weights in [0, 2) as the softmax's (any values do for the check).
-  std::vector<uint32_t> wa(round_up(m, 32) * ps, 0u), vp(ps * d, 0u);
+  fd_amx::TileBuffer<uint32_t> wa(round_up(m, 32) * ps, 0u), vp(ps * d, 0u);
   std::vector<float> w(nk * mp);
   for (auto& x : w) x = std::fabs(static_cast<float>(widen(next())));
   pack_weight_rows(w.data(), nk, mp, m, ps, wa.data());

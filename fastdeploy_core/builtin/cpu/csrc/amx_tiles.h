@@ -43,6 +43,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <new>
+#include <vector>
 
 namespace fd_amx {
 
@@ -53,6 +55,27 @@ constexpr int64_t kTileCols = 32;      // output columns per weight tile: B0 and
 constexpr int64_t kGroupBytes = kTileCols * 4;  // one group of k of one weight tile: 128 bytes
 
 enum class Kind { kBf16, kInt8 };
+
+// Buffers that tiles load from: 64-byte aligned, so that each 64-byte row of a tile is one cache
+// line. std::vector's default allocation is 16-byte aligned (large ones sit 16 bytes past a page
+// start), and a tile row across two lines halves the loads' speed (measured on a Xeon with AMX:
+// 70-75 ns against 32 ns per step of four loads and four products from L1).
+template <class T>
+struct LineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  LineAllocator() = default;
+  template <class U>
+  LineAllocator(const LineAllocator<U>&) {}  // NOLINT: rebinding, as the standard containers do
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, kAlign); }
+  template <class U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }
+};
+template <class T>
+using TileBuffer = std::vector<T, LineAllocator<T>>;
 
 // Whether this process may run tile instructions of `kind` (asked once per kind).
 inline bool amx_permitted(Kind kind) {

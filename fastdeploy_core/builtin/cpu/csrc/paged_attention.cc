@@ -458,7 +458,7 @@ void attend_item(void* ctx, int64_t index) {
   thread_local std::vector<float> qr, qt, st, o, mv, lv, av, kw, vw;
   thread_local std::vector<int32_t> row_pos;
   thread_local std::vector<int64_t> off, wide_off, next_off;
-  thread_local std::vector<uint32_t> qp, pp, vp;
+  thread_local fd_amx::TileBuffer<uint32_t> qp, pp, vp;  // tile operands: 64-byte aligned
   thread_local std::vector<uint16_t> qb;
   // A bfloat16 cache: queries rounded to bfloat16 (bf16_attention.h); with vdpbf16ps the scores
   // and the weighted values read the cached rows as they are, else the tile's rows are widened.
@@ -466,8 +466,8 @@ void attend_item(void* ctx, int64_t index) {
   // AMX tiles (amx_attention.h) for a wide item: the query pairs over mq columns (32 per B tile),
   // the keys gathered into key_rows, the weights and values packed as key pairs (wa, vp).
   const bool tiles = bf16 && !narrow && j.tiles != fd_amx_attention::Mode::kOff && fd_amx_attention::takes(d);
-  thread_local std::vector<uint16_t> key_rows;
-  thread_local std::vector<uint32_t> wa;
+  thread_local fd_amx::TileBuffer<uint16_t> key_rows;
+  thread_local fd_amx::TileBuffer<uint32_t> wa;
   const fd_amx_attention::ItemTiles item_tiles(tiles ? j.tiles : fd_amx_attention::Mode::kOff);
   const int64_t mq = tiles ? fd_amx_attention::query_columns(mp) : mp;
   const bool dot_scores = !tiles && bf16 && j.bf16_dot && (!narrow || fd_bf16_attention::narrow_takes(d));

@@ -71,7 +71,7 @@ inline float max_code(int pieces) { return pieces == 1 ? 127.f : static_cast<flo
 // The rows of x as int8 pieces, their scales and what each piece's integer sums carry beyond
 // sum q piece (128 * the sum of the row's piece where the weights are flipped, see above).
 struct Rows {
-  std::vector<int8_t> q;     // [pieces, rows, stride]: the codes (one piece), or the high then the low pieces
+  fd_amx::TileBuffer<int8_t> q;  // [pieces, rows, stride]: the codes (one piece), or the high then the low pieces
   std::vector<float> scale;  // [M]
   std::vector<int32_t> bias; // [pieces, M]
   int64_t rows = 0, stride = 0;  // M and K, or for tiles rounded up to whole tiles (zero past x)
@@ -279,7 +279,7 @@ bool tiles_sum_exactly() {
   uint32_t seed = 777u;
   for (auto* v : {&x, &w})
     for (int8_t& e : *v) e = static_cast<int8_t>(static_cast<int>((seed = seed * 1664525u + 1013904223u) >> 24) % 255 - 127);
-  std::vector<uint32_t> a(fd_amx::padded_rows(M) * stride, 0u);
+  fd_amx::TileBuffer<uint32_t> a(fd_amx::padded_rows(M) * stride, 0u);
   for (int64_t m = 0; m < M; ++m) std::memcpy(a.data() + m * stride, x.data() + m * K, K);
   bool exact = true;
   fd_amx::tile_rows<Tiles>(fd_amx::Kind::kInt8, a.data(), stride, reinterpret_cast<const uint8_t*>(w.data()),
