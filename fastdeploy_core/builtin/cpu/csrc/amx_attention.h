@@ -108,10 +108,11 @@ inline void pack_value_rows(const uint16_t* v16, const int64_t* off, int64_t nk,
 
 template <class Tiles>
 inline void block(const fd_amx::TileOperands& op, int64_t rows, uint32_t (*out)[fd_amx::kTileCols]) {
+  auto* c = reinterpret_cast<uint8_t*>(&out[0][0]);
   if (rows > fd_amx::kTileRows)
-    fd_amx::tile_block<Tiles, 1>(fd_amx::Kind::kBf16, op, out);
+    fd_amx::tile_block<Tiles, 1>(fd_amx::Kind::kBf16, op, c, fd_amx::kTileCols * 4, false);
   else
-    fd_amx::tile_block<Tiles, 0>(fd_amx::Kind::kBf16, op, out);
+    fd_amx::tile_block<Tiles, 0>(fd_amx::Kind::kBf16, op, c, fd_amx::kTileCols * 4, false);
 }
 
 // st[j * mp + r] = key_j . q_r for keys j < nk (kb: gather_keys) and rows r < mp (qp: the query

@@ -280,12 +280,8 @@ void gemm_widened_once(const Problem& p) {
 template <class Tiles>
 void gemm_amx(const Problem& p, int64_t x_stride) {
   fd_kernels::run_row_panels(p.M, p.N / kCols, [&p, x_stride](int64_t t, int64_t m_begin, int64_t m_end) {
-    float* y = p.y + t * kCols;
-    fd_amx::tile_rows<Tiles>(fd_amx::Kind::kBf16, p.xb, x_stride, p.w + t * p.K2 * kPairBytes, p.K2, m_begin, m_end,
-                             [&](int64_t m, int64_t rows, const uint32_t (*out)[fd_amx::kTileCols]) {
-                               for (int64_t r = 0; r < rows; ++r)
-                                 std::memcpy(y + (m + r) * p.N, out[r], kCols * sizeof(float));
-                             });
+    fd_amx::tile_rows_into<Tiles>(fd_amx::Kind::kBf16, p.xb, x_stride, p.w + t * p.K2 * kPairBytes, p.K2, m_begin,
+                                  m_end, p.y + t * kCols, p.N);
   });
 }
 
@@ -322,14 +318,15 @@ std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
   return shape;
 }
 
-// The tile loop (Tiles) against the widen path on a small problem: 20 rows (a block of 16 and a
-// part block), K = 80 (whole pair tiles of 16 and a tail of 8 pairs), N = 64. The orders differ,
+// The tile loop (Tiles) against the widen path on a small problem: 40 rows (a block of 32 stored
+// straight into the output and a part block through the buffer), K = 80 (whole pair tiles of 16 and a tail of 8 pairs), N = 64. The orders differ,
 // so the agreement is a tolerance: |tiles - widen| <= 1e-5 sum_k |x w| + 1e-30 (that sum itself
 // from the widen path on |x| and |w|). *worst gets the largest difference.
 template <class Tiles>
 bool tiles_agree_with_widen(float* worst) {
-  constexpr int64_t M = 20, K = 80, K2 = K / 2, N = 64;
-  std::vector<float> x(M * K), x_abs(M * K), bound(M * N), tiles(M * N), widen(M * N);
+  constexpr int64_t M = 40, K = 80, K2 = K / 2, N = 64;
+  std::vector<float> x(M * K), x_abs(M * K), bound(M * N), widen(M * N);
+  fd_amx::TileBuffer<float> tiles(M * N);  // stored into as the GEMM's output is (64-byte aligned)
   std::vector<uint16_t> w(N * K), w_abs(N * K);
   uint32_t seed = 12345u;
   auto next = [&seed] {
@@ -351,12 +348,9 @@ bool tiles_agree_with_widen(float* worst) {
   fd_amx::TileBuffer<uint32_t> xp(fd_amx::padded_rows(M) * stride, 0u);
   round_rows(x.data(), M, K, K2, xp.data(), stride);
   const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.data());
-  for (int64_t t = 0; t < N / kCols; ++t)
-    fd_amx::tile_rows<Tiles>(fd_amx::Kind::kBf16, xp.data(), stride, wb + t * K2 * kPairBytes, K2, 0, M,
-                             [&](int64_t m, int64_t rows, const uint32_t (*out)[fd_amx::kTileCols]) {
-                               for (int64_t r = 0; r < rows; ++r)
-                                 std::memcpy(&tiles[(m + r) * N + t * kCols], out[r], kCols * sizeof(float));
-                             });
+  for (int64_t t = 0; t < N / kCols; ++t)  // gemm_amx's calls, without its pool (a forked child has no workers)
+    fd_amx::tile_rows_into<Tiles>(fd_amx::Kind::kBf16, xp.data(), stride, wb + t * K2 * kPairBytes, K2, 0, M,
+                                  tiles.data() + t * kCols, N);
   bool agree = true;
   *worst = 0.f;
   for (int64_t i = 0; i < M * N; ++i) {
