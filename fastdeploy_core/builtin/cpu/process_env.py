@@ -13,14 +13,6 @@ sets the variable. :func:`quiet_paddle_thread_warning` lets Paddle's bootstrap s
 imports and then puts the thread count back, in the environment (the kernels' thread pool and
 the OpenMP runtime read it when they start, after the import) and in Paddle's MKL/OpenMP setting.
 
-It also keeps freed memory in the process (:func:`keep_freed_memory`): glibc hands blocks of
-more than 128 KiB back to the kernel when they are freed and every new one is page-faulted in
-again, a fault per 4 KiB page. Each step's activations and kernel outputs are such blocks, so
-every op paid for its output's pages (measured on a Xeon: a 3 MiB Paddle op 751 us, 224 us once
-freed memory stays). The process's resident memory then stays at its peak instead of falling
-between steps; ``FD_CPU_KEEP_FREED_MEMORY=0`` (or glibc's own ``MALLOC_MMAP_THRESHOLD_`` /
-``MALLOC_TRIM_THRESHOLD_``) keeps glibc's behaviour.
-
 It also maps the kernels' former variable names (``FD_DISABLE_QUANT_KERNELS``,
 ``FD_QUANT_KERNEL_THREADS``, ``FD_QUANT_KERNEL_SPIN``) to the current ones with a deprecation
 warning; the C++ thread pool reads only the current names.
@@ -41,13 +33,6 @@ KERNELS_ENV = "FD_CPU_KERNELS"
 KERNEL_THREADS_ENV = "FD_CPU_KERNEL_THREADS"
 #: Microseconds a pool worker spins for more work before it sleeps.
 KERNEL_SPIN_ENV = "FD_CPU_KERNEL_SPIN"
-
-#: ``FD_CPU_KEEP_FREED_MEMORY=0`` leaves glibc's return of freed memory to the kernel as it is.
-KEEP_FREED_MEMORY_ENV = "FD_CPU_KEEP_FREED_MEMORY"
-#: glibc's largest fixed mmap threshold (``HEAP_MAX_SIZE / 2`` on 64-bit): blocks up to this size
-#: come from the heap, larger ones (a 512-row LM head's logits, say) are still mapped per use.
-_MMAP_THRESHOLD = 32 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 
 #: Former name -> (current name, how a former value translates).
 _DEPRECATED = {
@@ -87,35 +72,11 @@ def is_amd_cpu() -> bool:
         return False
 
 
-def keep_freed_memory(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Ask glibc to keep freed blocks up to 32 MiB in the process (``mallopt``: a fixed mmap
-    threshold and a trim threshold of 1 GiB) so a step's buffers are reused without page faults.
-    True when applied; False off glibc, when ``FD_CPU_KEEP_FREED_MEMORY=0`` or when the user
-    set glibc's ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``."""
-    environ = os.environ if environ is None else environ
-    if environ.get(KEEP_FREED_MEMORY_ENV, "1") in ("0", ""):
-        return False
-    if "MALLOC_MMAP_THRESHOLD_" in environ or "MALLOC_TRIM_THRESHOLD_" in environ:
-        return False
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
-
-
 def configure_process_env(environ: MutableMapping[str, str] | None = None) -> None:
     """Fill in the cpu device's process settings that the user left unset."""
     if environ is None:
         environ = os.environ
         quiet_paddle_thread_warning()
-        keep_freed_memory(environ)
     environ.setdefault("OMP_NUM_THREADS", str(usable_cores()))
     if is_amd_cpu():
         # Paddle's MKL (mklml) takes a generic sgemm on AMD CPUs; type 5 selects its AVX2

@@ -137,31 +137,3 @@ def test_kernels_are_chosen_by_default_with_avx512_or_avx2(strip, env, loaded):
     assert line.startswith(f"RESULT {loaded}"), line
     if strip == _NO_WIDE_VECTORS and env is None:
         assert "neither AVX-512 nor AVX2 with FMA" in line and "FD_CPU_KERNELS=1 uses the kernels anyway" in line
-
-
-# Page faults taken by 20 Paddle ops, each with a fresh 3 MiB output, after 20 warm-up ones: one per
-# 4 KiB page of each output when glibc returns freed blocks to the kernel (what it does by
-# default with Paddle's allocations), few when the process keeps them.
-_REFAULTS = (
-    "import resource, fastdeploy_core, paddle; "
-    "x = paddle.ones([512, 1536]); [float(paddle.scale(x, 2.0)[0, 0]) for _ in range(20)]; "
-    "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt; "
-    "[float(paddle.scale(x, 2.0)[0, 0]) for _ in range(20)]; "
-    "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)"
-)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's (Linux)")
-def test_freed_step_buffers_stay_in_the_process_unless_turned_off():
-    pages = (3 << 20) // 4096
-    kept = subprocess.run([sys.executable, "-c", _REFAULTS], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert kept.returncode == 0, kept.stderr
-    assert int(kept.stdout) < pages, kept.stdout  # 20 outputs without a fault per page
-    off = subprocess.run([sys.executable, "-c", _REFAULTS], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", process_env.KEEP_FREED_MEMORY_ENV: "0"})
-    assert off.returncode == 0, off.stderr
-    assert int(off.stdout) >= 10 * pages, off.stdout  # glibc's default: outputs faulted in again
-    # A user's own glibc setting is left alone, and so is the opt-out.
-    assert not process_env.keep_freed_memory({"MALLOC_TRIM_THRESHOLD_": "0"})
-    assert not process_env.keep_freed_memory({process_env.KEEP_FREED_MEMORY_ENV: "0"})
