@@ -98,15 +98,10 @@ inline void split_code(int a, int pieces, int8_t* hi, int8_t* lo, int32_t* sum_h
   *sum_lo += a - 256 * h;
 }
 
-// tiles: lay the codes out as A tiles read them (fd_amx: rows and quads rounded up to 16, zeros).
-void quantize_rows(const float* x, int64_t M, int64_t K, int pieces, bool tiles, Rows* out) {
-  out->rows = tiles ? fd_amx::padded_rows(M) : M;
-  out->stride = tiles ? fd_amx::padded_groups(K / kQuad) * kQuad : K;
-  out->q.assign(static_cast<size_t>(pieces * out->rows * out->stride), 0);
-  out->scale.resize(M);
-  out->bias.resize(pieces * M);
+// Rows [m_begin, m_end) of x rounded into out (quantize_rows laid it out).
+void quantize_row_range(const float* x, int64_t m_begin, int64_t m_end, int64_t M, int64_t K, int pieces, Rows* out) {
   const float top = max_code(pieces);
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = m_begin; m < m_end; ++m) {
     const float* xr = x + m * K;
     int8_t* hr = out->q.data() + m * out->stride;
     int8_t* lr = out->q.data() + (out->rows + m) * out->stride;  // the low pieces (two pieces only)
@@ -149,7 +144,41 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int pieces, bool tiles,
     }
     out->bias[m] = kFlipBias * sum_hi;
     if (pieces == 2) out->bias[M + m] = kFlipBias * sum_lo;
+    if (out->stride > K) {  // the tiles' zero quads past K
+      std::fill(hr + K, hr + out->stride, int8_t{0});
+      if (pieces == 2) std::fill(lr + K, lr + out->stride, int8_t{0});
+    }
   }
+}
+
+// tiles: lay the codes out as A tiles read them (fd_amx: rows and quads rounded up to 16, zeros).
+// out is reused from call to call (the caller's thread keeps it), so a call neither allocates nor
+// zero-fills it whole; the pool's threads round 16-row chunks side by side.
+void quantize_rows(const float* x, int64_t M, int64_t K, int pieces, bool tiles, Rows* out) {
+  out->rows = tiles ? fd_amx::padded_rows(M) : M;
+  out->stride = tiles ? fd_amx::padded_groups(K / kQuad) * kQuad : K;
+  const size_t size = static_cast<size_t>(pieces * out->rows * out->stride);
+  if (out->q.size() < size) out->q.resize(size);
+  out->scale.resize(M);
+  out->bias.resize(pieces * M);
+  for (int piece = 0; piece < pieces; ++piece) {  // the tiles' zero rows past M
+    int8_t* q = out->q.data() + (piece * out->rows) * out->stride;
+    std::fill(q + M * out->stride, q + out->rows * out->stride, int8_t{0});
+  }
+  struct Job {
+    const float* x;
+    int64_t M, K;
+    int pieces;
+    Rows* out;
+  } job{x, M, K, pieces, out};
+  constexpr int64_t kChunk = 16;
+  fd_kernels::Pool::instance().run(
+      (M + kChunk - 1) / kChunk,
+      [](void* ctx, int64_t c) {
+        const Job& j = *static_cast<const Job*>(ctx);
+        quantize_row_range(j.x, c * kChunk, std::min(j.M, (c + 1) * kChunk), j.M, j.K, j.pieces, j.out);
+      },
+      &job);
 }
 
 struct Problem {
@@ -349,7 +378,7 @@ std::vector<paddle::Tensor> W8a8Linear(const paddle::Tensor& x_in, const paddle:
     const paddle::Tensor x = x_in.contiguous();
     const int64_t M = K > 0 ? x.numel() / K : 0;
     const Path loop = path_for(path, M);
-    Rows rows;
+    thread_local Rows rows;
     quantize_rows(x.data<float>(), M, K, static_cast<int>(pieces), loop != kVector, &rows);
     const Problem p{rows.q.data(), rows.bias.data(), rows.scale.data(), static_cast<const int8_t*>(weight.data()),
                     scale.data<float>(), out.data<float>(), M, K, N, rows.rows, rows.stride};
