@@ -106,15 +106,6 @@ inline void pack_value_rows(const uint16_t* v16, const int64_t* off, int64_t nk,
   std::memset(vp + pairs * d, 0, (ps - pairs) * d * sizeof(uint32_t));
 }
 
-template <class Tiles>
-inline void block(const fd_amx::TileOperands& op, int64_t rows, uint32_t (*out)[fd_amx::kTileCols]) {
-  auto* c = reinterpret_cast<uint8_t*>(&out[0][0]);
-  if (rows > fd_amx::kTileRows)
-    fd_amx::tile_block<Tiles, 1>(fd_amx::Kind::kBf16, op, c, fd_amx::kTileCols * 4, false);
-  else
-    fd_amx::tile_block<Tiles, 0>(fd_amx::Kind::kBf16, op, c, fd_amx::kTileCols * 4, false);
-}
-
 // st[j * mp + r] = key_j . q_r for keys j < nk (kb: gather_keys) and rows r < mp (qp: the query
 // pairs, mq = query_columns(mp) per pair row). The caller holds an ItemTiles.
 template <class Tiles>
@@ -127,7 +118,8 @@ void scores(const uint16_t* kb, int64_t nk, int64_t d, const uint32_t* qp, int64
     for (int64_t j0 = 0; j0 < nk; j0 += fd_amx::kBlockRows) {
       const int64_t rows = std::min<int64_t>(fd_amx::kBlockRows, nk - j0);
       op.a = reinterpret_cast<const uint32_t*>(kb + j0 * d);
-      block<Tiles>(op, rows, out);
+      fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, op, rows, reinterpret_cast<uint8_t*>(&out[0][0]),
+                                     fd_amx::kTileCols * 4, false);
       for (int64_t i = 0; i < rows; ++i) std::memcpy(st + (j0 + i) * mp + r0, out[i], cols * sizeof(float));
     }
   }
@@ -146,7 +138,8 @@ void weighted_values(const uint32_t* wa, int64_t ps, int64_t m, const uint32_t* 
     op.a = wa + r0 * ps;
     for (int64_t c0 = 0; c0 < d; c0 += fd_amx::kTileCols) {
       op.w = reinterpret_cast<const uint8_t*>(vp + c0);
-      block<Tiles>(op, rows, out);
+      fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, op, rows, reinterpret_cast<uint8_t*>(&out[0][0]),
+                                     fd_amx::kTileCols * 4, false);
       for (int64_t i = 0; i < rows; ++i) {
         float* orow = o + (r0 + i) * d + c0;
         const float a = alpha[r0 + i];

@@ -351,6 +351,16 @@ inline void tile_block(Kind kind, const TileOperands& op, uint8_t* c, int64_t c_
   }
 }
 
+// tile_block for a block of `rows` rows (<= 32): two A tiles past 16 rows, else one.
+template <class Tiles>
+inline void tile_block_rows(Kind kind, const TileOperands& op, int64_t rows, uint8_t* c, int64_t c_stride,
+                            bool claim_c) {
+  if (rows > kTileRows)
+    tile_block<Tiles, 1>(kind, op, c, c_stride, claim_c);
+  else
+    tile_block<Tiles, 0>(kind, op, c, c_stride, claim_c);
+}
+
 // The weight tile's last groups % 16 groups zero-padded to a full tile's 16 (into buf,
 // 16 x 128 bytes); nullptr when the groups are a multiple of 16.
 inline const uint8_t* padded_tail(const uint8_t* w, int64_t groups, uint8_t* buf) {
@@ -373,11 +383,7 @@ inline void tile_rows(Kind kind, const uint32_t* a, int64_t a_stride, const uint
   for (int64_t m = m_begin; m < m_end; m += kBlockRows) {
     const int64_t rows = m_end - m < kBlockRows ? m_end - m : kBlockRows;
     op.a = a + m * a_stride;
-    auto* c = reinterpret_cast<uint8_t*>(&out[0][0]);
-    if (rows > kTileRows)
-      tile_block<Tiles, 1>(kind, op, c, kTileCols * 4, false);
-    else
-      tile_block<Tiles, 0>(kind, op, c, kTileCols * 4, false);
+    tile_block_rows<Tiles>(kind, op, rows, reinterpret_cast<uint8_t*>(&out[0][0]), kTileCols * 4, false);
     store(m, rows, out);
   }
 }
@@ -398,12 +404,8 @@ inline void tile_rows_into(Kind kind, const uint32_t* a, int64_t a_stride, const
     op.a = a + m * a_stride;
     auto* ym = reinterpret_cast<uint8_t*>(y + m * y_stride);
     const bool direct = rows == kBlockRows || rows == kTileRows;
-    auto* c = direct ? ym : reinterpret_cast<uint8_t*>(&out[0][0]);
-    const int64_t c_stride = direct ? y_bytes : kTileCols * 4;
-    if (rows > kTileRows)
-      tile_block<Tiles, 1>(kind, op, c, c_stride, direct);
-    else
-      tile_block<Tiles, 0>(kind, op, c, c_stride, direct);
+    tile_block_rows<Tiles>(kind, op, rows, direct ? ym : reinterpret_cast<uint8_t*>(&out[0][0]),
+                           direct ? y_bytes : kTileCols * 4, direct);
     if (!direct)
       for (int64_t r = 0; r < rows; ++r) std::memcpy(ym + r * y_bytes, out[r], kTileCols * 4);
   }

@@ -121,29 +121,16 @@ void round_rows(const float* x, int64_t M, int64_t K, int64_t K2, uint32_t* xb, 
 // zeros past K2 and past M), in this thread's buffer, which the next call on the thread reuses.
 // The pool's threads round 16-row chunks side by side. (A fresh buffer per call cost a 512-row
 // call of K = 1536 ~300 us of page faults and zeroing on one thread, beside ~100 us of AMX work.)
-struct RoundJob {
-  const float* x;
-  uint32_t* xb;
-  int64_t M, K, K2, stride;
-};
-constexpr int64_t kRoundChunkRows = 16;
-
 const uint32_t* rounded_rows(const float* x, int64_t M, int64_t K, int64_t K2, int64_t rows, int64_t stride) {
-  thread_local fd_amx::TileBuffer<uint32_t> xb;
-  if (xb.size() < static_cast<size_t>(rows * stride)) xb.resize(static_cast<size_t>(rows * stride));
-  RoundJob job{x, xb.data(), M, K, K2, stride};
-  fd_kernels::Pool::instance().run(
-      (M + kRoundChunkRows - 1) / kRoundChunkRows,
-      [](void* ctx, int64_t c) {
-        const RoundJob& j = *static_cast<const RoundJob*>(ctx);
-        const int64_t m0 = c * kRoundChunkRows, n = std::min(kRoundChunkRows, j.M - m0);
-        round_rows(j.x + m0 * j.K, n, j.K, j.K2, j.xb + m0 * j.stride, j.stride);
-        if (j.stride > j.K2)
-          for (int64_t m = m0; m < m0 + n; ++m) std::fill(j.xb + m * j.stride + j.K2, j.xb + (m + 1) * j.stride, 0u);
-      },
-      &job);
-  std::fill(xb.data() + M * stride, xb.data() + rows * stride, 0u);
-  return xb.data();
+  thread_local fd_amx::TileBuffer<uint32_t> buffer;
+  if (buffer.size() < static_cast<size_t>(rows * stride)) buffer.resize(static_cast<size_t>(rows * stride));
+  uint32_t* xb = buffer.data();
+  fd_kernels::run_row_chunks<16>(M, [=](int64_t m0, int64_t m1) {
+    round_rows(x + m0 * K, m1 - m0, K, K2, xb + m0 * stride, stride);
+    for (int64_t m = m0; stride > K2 && m < m1; ++m) std::fill(xb + m * stride + K2, xb + (m + 1) * stride, 0u);
+  });
+  std::fill(xb + M * stride, xb + rows * stride, 0u);
+  return xb;
 }
 
 struct Problem {

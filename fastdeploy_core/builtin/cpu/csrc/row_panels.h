@@ -37,6 +37,23 @@ inline void row_blocks(int64_t m_begin, int64_t m_end, Run&& run) {
   }
 }
 
+// rows(m_begin, m_end) for the M rows in chunks of CHUNK, the chunks spread over the pool: the
+// per-row preparation of a GEMM's activations (rounding, quantizing) beside each other.
+template <int64_t CHUNK, class Rows>
+inline void run_row_chunks(int64_t M, const Rows& rows) {
+  struct Job {
+    const Rows* rows;
+    int64_t M;
+  } job{&rows, M};
+  Pool::instance().run(
+      (M + CHUNK - 1) / CHUNK,
+      [](void* ctx, int64_t c) {
+        const Job& j = *static_cast<const Job*>(ctx);
+        (*j.rows)(c * CHUNK, std::min(j.M, (c + 1) * CHUNK));
+      },
+      &job);
+}
+
 // tile_rows(t, m_begin, m_end) for every tile t < tiles and every panel of the M rows, on the pool.
 template <class TileRows>
 inline void run_row_panels(int64_t M, int64_t tiles, const TileRows& tile_rows) {

@@ -165,20 +165,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int pieces, bool tiles,
     int8_t* q = out->q.data() + (piece * out->rows) * out->stride;
     std::fill(q + M * out->stride, q + out->rows * out->stride, int8_t{0});
   }
-  struct Job {
-    const float* x;
-    int64_t M, K;
-    int pieces;
-    Rows* out;
-  } job{x, M, K, pieces, out};
-  constexpr int64_t kChunk = 16;
-  fd_kernels::Pool::instance().run(
-      (M + kChunk - 1) / kChunk,
-      [](void* ctx, int64_t c) {
-        const Job& j = *static_cast<const Job*>(ctx);
-        quantize_row_range(j.x, c * kChunk, std::min(j.M, (c + 1) * kChunk), j.M, j.K, j.pieces, j.out);
-      },
-      &job);
+  fd_kernels::run_row_chunks<16>(M, [=](int64_t m0, int64_t m1) { quantize_row_range(x, m0, m1, M, K, pieces, out); });
 }
 
 struct Problem {
