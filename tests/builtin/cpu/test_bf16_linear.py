@@ -138,10 +138,12 @@ def test_kernel_is_bitwise_its_summation_order_on_each_path(ops, path, m, k, n):
 
 @pytest.mark.parametrize(
     "m,k,n",
-    # rows: under one tile, one tile, a tile and a row, two tiles (32) and a part, panels of 64;
+    # rows: under one tile, one tile, a tile and a row, two tiles (32) and a part, a panel of 64;
+    # more than one panel of the AMX loop (K = 1536: panels of 320 rows with a 2 MiB L2, of 64
+    # to 512 elsewhere, row_panels.h's panel_rows_for);
     # k pairs: whole tiles of 16 (576, 1536) and tails (40, 50, 8 pairs of the 80-wide case)
     [(1, 64, 32), (5, 80, 64), (16, 576, 96), (17, 1536, 64), (31, 96, 96), (33, 80, 64), (64, 576, 192),
-     (130, 100, 64)],
+     (130, 100, 64), (530, 1536, 32)],
 )
 def test_tile_loop_on_the_model_is_bitwise_the_instructions_order(ops, m, k, n):
     x, bits = case(np.random.default_rng(m * 1000 + k + n + 1), m, k, n)
@@ -154,7 +156,7 @@ def test_tile_loop_on_the_model_is_bitwise_the_instructions_order(ops, m, k, n):
 
 @pytest.mark.skipif(not AMX_IN_USE, reason="no AMX-BF16 tiles in use on this CPU: the tile instructions "
                     "were not executed (their loop runs on the model above)")
-@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (17, 1536, 64), (33, 80, 64), (130, 100, 64)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (17, 1536, 64), (33, 80, 64), (130, 100, 64), (530, 1536, 32)])
 def test_tile_instructions_give_the_model_bit_for_bit(ops, m, k, n):
     x, bits = case(np.random.default_rng(m + k + n), m, k, n)
     packed = ops.prepare_linear_weight(paddle.to_tensor(bits))

@@ -91,10 +91,12 @@ def test_quad_packing_rejects_shapes_it_cannot_hold():
 
 
 # rows: one (decode), a register block and its remainders, a tile of 16 and one more, more than
-# one panel of 64 rows; K: 144 / 384 / 11 quads (tails of 0 / 0 / 11 in tiles of 16 quads).
+# one panel of 64 rows, more than one panel of the AMX loop (row_panels.h's panel_rows_for: 320
+# rows at K = 1536 with two pieces and a 2 MiB L2, at most 512 anywhere); K: 144 / 384 / 11 quads
+# (tails of 0 / 0 / 11 in tiles of 16 quads).
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("pieces", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 17, 64, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 17, 64, 130, 530])
 @pytest.mark.parametrize("shape", [(576, 96), (1536, 64), (44, 160)], ids=["576x96", "1536x64", "44x160"])
 def test_kernel_equals_its_integer_formula_bit_for_bit(path, pieces, rows, shape, cpu_kernels):
     K, N = shape

@@ -269,7 +269,7 @@ void gemm_amx(const Problem& p, int64_t x_stride) {
   fd_kernels::run_row_panels(p.M, p.N / kCols, [&p, x_stride](int64_t t, int64_t m_begin, int64_t m_end) {
     fd_amx::tile_rows_into<Tiles>(fd_amx::Kind::kBf16, p.xb, x_stride, p.w + t * p.K2 * kPairBytes, p.K2, m_begin,
                                   m_end, p.y + t * kCols, p.N);
-  });
+  }, fd_kernels::panel_rows_for(x_stride * 4));
 }
 
 // fd_bf16_linear on x [M, K] through the amx loop (Tiles) into y.

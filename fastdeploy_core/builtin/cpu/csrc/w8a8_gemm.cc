@@ -260,10 +260,13 @@ template <class Tiles, int PIECES>
 void gemm_amx(const Problem& p) {
   const int64_t a_stride = p.x_stride / kQuad;
   auto piece = [&p](int q) { return reinterpret_cast<const uint32_t*>(p.xq + q * p.x_rows * p.x_stride); };
+  const int64_t panel_rows = fd_kernels::panel_rows_for(PIECES * p.x_stride);
   fd_kernels::run_row_panels(p.M, p.N / kCols, [&](int64_t t, int64_t m_begin, int64_t m_end) {
     const auto* wt = reinterpret_cast<const uint8_t*>(p.w + t * (p.K / kQuad) * kQuadBytes);
     const float* ws = p.ws + t * kCols;
-    int32_t high[fd_kernels::kPanelRows][kCols];
+    thread_local std::vector<int32_t> high_rows;  // the high piece's sums of the panel's rows
+    if constexpr (PIECES == 2) high_rows.resize(static_cast<size_t>(panel_rows * kCols));
+    auto high = reinterpret_cast<int32_t (*)[kCols]>(high_rows.data());
     if constexpr (PIECES == 2)
       fd_amx::tile_rows<Tiles>(fd_amx::Kind::kInt8, piece(0), a_stride, wt, p.K / kQuad, m_begin, m_end,
                                [&](int64_t m, int64_t rows, const uint32_t (*out)[fd_amx::kTileCols]) {
@@ -282,7 +285,7 @@ void gemm_amx(const Problem& p) {
             }
           }
         });
-  });
+  }, panel_rows);
 }
 
 // The tiles' sums of a small problem (20 rows: a tile and a part; K = 80: a tile of 16 quads and
