@@ -225,7 +225,9 @@ def _formula(q, a, v_rows, ctx, round_q=True, round_p=True):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("q_len, ctx", [(1, 50), (1, 700), (30, 40)], ids=["decode", "decode_two_tiles", "prefill"])
+# prefill over 300 keys: key tiles of 128 on the AMX path (two whole, one of 44; 64 elsewhere).
+@pytest.mark.parametrize("q_len, ctx", [(1, 50), (1, 700), (30, 40), (30, 300)],
+                         ids=["decode", "decode_two_tiles", "prefill", "prefill_key_tiles"])
 def test_bf16_cache_attention_is_the_formula(path, q_len, ctx, cpu_kernels):
     """Rounded queries and rounded weights: the kernel equals the formula computed beside it, and
     the formula without either rounding is far outside the tolerance (each rounding matters)."""

@@ -28,6 +28,8 @@
 #include <cstring>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "amx_tiles.h"
 #include "bf16_attention.h"
 
@@ -77,26 +79,77 @@ inline void gather_keys(const uint16_t* k16, const int64_t* off, int64_t nk, int
   std::memset(kb + nk * d, 0, (round_up(nk, 32) - nk) * d * sizeof(uint16_t));
 }
 
-// The softmax weights st[j * mp + r] (j < nk; finite, >= 0) rounded to bfloat16 as key pairs
-// per row: wa[r * ps + p] = bf16(st[2p][r]) | bf16(st[2p + 1][r]) << 16, zero for keys >= nk;
-// rows r < m (the rows after them, which the tiles read up to round_up(m, 32), are the caller's
-// zeros). 16 rows of a pair are rounded as one vector (bf16_attention.h's round_bits16, as the
-// dot path's pack_weight_pairs), then stored down their rows.
-inline void pack_weight_rows(const float* st, int64_t nk, int64_t mp, int64_t m, int64_t ps, uint32_t* wa) {
-  using fd_kernels::u32x16;
-  const int64_t pairs = (nk + 1) / 2;
-  for (int64_t p = 0; p < ps; ++p) {
-    for (int64_t r0 = 0; r0 < m; r0 += 16) {  // r0 + 16 <= mp: st's rows are padded to 16
-      u32x16 pair{};
-      if (p < pairs) {
-        const u32x16 lo = fd_bf16_attention::round_bits16(st + 2 * p * mp + r0) >> 16;
-        const u32x16 hi = 2 * p + 1 < nk ? fd_bf16_attention::round_bits16(st + (2 * p + 1) * mp + r0) : u32x16{};
-        pair = lo | hi;
-      }
-      const int64_t n = std::min<int64_t>(16, m - r0);
-      for (int64_t i = 0; i < n; ++i) wa[(r0 + i) * ps + p] = pair[i];
-    }
+// 16 vectors of 16 32-bit lanes transposed in place: v[i][c] becomes v[c][i].
+__attribute__((always_inline)) inline void transpose16(fd_kernels::u32x16* v) {
+#if defined(__AVX512F__)
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = (__m512i)v[i];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: rows 2i and 2i + 1 interleaved
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
+  for (int i = 0; i < 4; ++i) {  // r[4i + k]: lane L holds column 4L + k of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
+    const __m512i u0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), u1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44), w1 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+    v[k] = (fd_kernels::u32x16)_mm512_shuffle_i32x4(u0, w0, 0x88);
+    v[4 + k] = (fd_kernels::u32x16)_mm512_shuffle_i32x4(u0, w0, 0xDD);
+    v[8 + k] = (fd_kernels::u32x16)_mm512_shuffle_i32x4(u1, w1, 0x88);
+    v[12 + k] = (fd_kernels::u32x16)_mm512_shuffle_i32x4(u1, w1, 0xDD);
+  }
+#else
+  for (int i = 0; i < 16; ++i)
+    for (int c = i + 1; c < 16; ++c) {
+      const uint32_t x = v[i][c];
+      v[i][c] = v[c][i];
+      v[c][i] = x;
+    }
+#endif
+}
+
+// The softmax weights of a tile's keys for rows rv .. rv + 15, straight into wa: p = exp(st[j *
+// mp + rv + i] - m_use) for keys j < nk, added to the returned sum in key order (the other
+// paths' exponentials' pass, the same values and sum), rounded to bfloat16 (round_bits16) as key
+// pairs per row, the A tiles of weighted_values: wa[r * ps + p] = bf16(p_2p) | bf16(p_2p+1) << 16
+// for rows r < m (the rows after them, which the tiles read up to round_up(m, 32), are the
+// caller's zeros), zero for pairs past the keys. The weights are never stored as float32, and
+// 16 pairs of the 16 rows are transposed in registers, not stored one value at a time.
+inline fd_kernels::f32x16 exp_weight_rows(const float* st, int64_t nk, int64_t mp, int64_t rv, int64_t m,
+                                          fd_kernels::f32x16 m_use, int64_t ps, uint32_t* wa) {
+  using fd_kernels::f32x16;
+  using fd_kernels::u32x16;
+  f32x16 sum{};
+  auto rounded = [](f32x16 e) {  // bf16_attention.h's round_bits16 on a register
+    const u32x16 u = fd_kernels::bitcast<u32x16>(e);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  };
+  const int64_t rows = std::min<int64_t>(16, m - rv);
+  for (int64_t p0 = 0; p0 < ps; p0 += 16) {
+    u32x16 pair[16];
+    for (int q = 0; q < 16; ++q) {
+      const int64_t j = 2 * (p0 + q);
+      u32x16 lo{}, hi{};
+      if (j < nk) {
+        const f32x16 e = fd_kernels::exp16(fd_kernels::load<f32x16>(st + j * mp + rv) - m_use);
+        sum += e;
+        lo = rounded(e) >> 16;
+      }
+      if (j + 1 < nk) {
+        const f32x16 e = fd_kernels::exp16(fd_kernels::load<f32x16>(st + (j + 1) * mp + rv) - m_use);
+        sum += e;
+        hi = rounded(e);
+      }
+      pair[q] = lo | hi;
+    }
+    transpose16(pair);
+    for (int64_t i = 0; i < rows; ++i) fd_kernels::store(wa + (rv + i) * ps + p0, pair[i]);
+  }
+  return sum;
 }
 
 // The tile's value rows as key pairs (vp [ps, d], pack_value_pairs), zero pair rows past nk.
@@ -106,18 +159,39 @@ inline void pack_value_rows(const uint16_t* v16, const int64_t* off, int64_t nk,
   std::memset(vp + pairs * d, 0, (ps - pairs) * d * sizeof(uint32_t));
 }
 
-// st[j * mp + r] = key_j . q_r for keys j < nk (kb: gather_keys) and rows r < mp (qp: the query
-// pairs, mq = query_columns(mp) per pair row). The caller holds an ItemTiles.
+// Where the scores' A tiles read a tile's keys: key j0 + i (j0 a multiple of 32, i < 32) at
+// base + first(j0) + i * stride bfloat16 values. In place in the cache when each 32 keys of the
+// tile are consecutive rows of one cache block (block_size and the tile's first key multiples of
+// 32): first(j0) = off[j0], stride = the cache's row (kv heads x d); the rows a tile reads past the
+// tile's last key are then the block's next rows, whose scores are never read. Else gathered by
+// gather_keys: first(j0) = j0 * d, stride = d.
+struct KeyRows {
+  const uint16_t* base;
+  const int64_t* off;  // nullptr: gathered
+  int64_t stride;
+  const uint16_t* first(int64_t j0) const { return base + (off != nullptr ? off[j0] : j0 * stride); }
+};
+
+// st[j * mp + r] = key_j . q_r for keys j < nk (keys: KeyRows) and rows r < mp (qp: the query
+// pairs, mq = query_columns(mp) per pair row), st's rows 64-byte aligned (mp a multiple of 16)
+// with room for nk rounded up to 32 rows (a block of 32 columns is stored straight from the
+// tiles, rows past nk included; a last block of fewer columns through a buffer). The caller
+// holds an ItemTiles.
 template <class Tiles>
-void scores(const uint16_t* kb, int64_t nk, int64_t d, const uint32_t* qp, int64_t mq, int64_t mp, float* st) {
+void scores(const KeyRows& keys, int64_t nk, int64_t d, const uint32_t* qp, int64_t mq, int64_t mp, float* st) {
   alignas(64) uint32_t out[fd_amx::kBlockRows][fd_amx::kTileCols];
-  fd_amx::TileOperands op{nullptr, d / 2, nullptr, d / 2, nullptr, mq * 4};
+  fd_amx::TileOperands op{nullptr, keys.stride / 2, nullptr, d / 2, nullptr, mq * 4};
   for (int64_t r0 = 0; r0 < mp; r0 += fd_amx::kTileCols) {
     const int64_t cols = std::min<int64_t>(fd_amx::kTileCols, mp - r0);
     op.w = reinterpret_cast<const uint8_t*>(qp + r0);
     for (int64_t j0 = 0; j0 < nk; j0 += fd_amx::kBlockRows) {
       const int64_t rows = std::min<int64_t>(fd_amx::kBlockRows, nk - j0);
-      op.a = reinterpret_cast<const uint32_t*>(kb + j0 * d);
+      op.a = reinterpret_cast<const uint32_t*>(keys.first(j0));
+      if (cols == fd_amx::kTileCols) {
+        fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, op, rows, reinterpret_cast<uint8_t*>(st + j0 * mp + r0),
+                                       mp * 4, false);
+        continue;
+      }
       fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, op, rows, reinterpret_cast<uint8_t*>(&out[0][0]),
                                      fd_amx::kTileCols * 4, false);
       for (int64_t i = 0; i < rows; ++i) std::memcpy(st + (j0 + i) * mp + r0, out[i], cols * sizeof(float));
@@ -153,12 +227,12 @@ void weighted_values(const uint32_t* wa, int64_t ps, int64_t m, const uint32_t* 
   }
 }
 
-inline void scores(Mode mode, const uint16_t* kb, int64_t nk, int64_t d, const uint32_t* qp, int64_t mq, int64_t mp,
+inline void scores(Mode mode, const KeyRows& keys, int64_t nk, int64_t d, const uint32_t* qp, int64_t mq, int64_t mp,
                    float* st) {
 #if defined(__x86_64__)
-  if (mode == Mode::kHardware) return scores<fd_amx::HardwareTiles>(kb, nk, d, qp, mq, mp, st);
+  if (mode == Mode::kHardware) return scores<fd_amx::HardwareTiles>(keys, nk, d, qp, mq, mp, st);
 #endif
-  scores<fd_amx::ModelTiles>(kb, nk, d, qp, mq, mp, st);
+  scores<fd_amx::ModelTiles>(keys, nk, d, qp, mq, mp, st);
 }
 
 inline void weighted_values(Mode mode, const uint32_t* wa, int64_t ps, int64_t m, const uint32_t* vp, int64_t d,
@@ -170,7 +244,7 @@ inline void weighted_values(Mode mode, const uint32_t* wa, int64_t ps, int64_t m
 }
 
 // The self-check: both products on Tiles against float64 sums of the same bfloat16 operands, on
-// a tile of 40 keys (a block of 32 and one of 8, 20 pairs in a tile of 16 + 4), 48 query rows
+// a tile of 40 keys (a block of 32 and one of 8, read in place and gathered; 20 pairs in a tile of 16 + 4), 48 query rows
 // (columns 32-47 of a second block), 20 output rows, head size 64. Each result within 1e-5 of
 // the sum of its products' magnitudes.
 template <class Tiles>
@@ -189,36 +263,51 @@ bool tiles_agree() {
     std::memcpy(&f, &bits, sizeof(f));
     return static_cast<double>(f);
   };
-  std::vector<uint16_t> keys(nk * d);
-  fd_amx::TileBuffer<uint16_t> kb(round_up(nk, 32) * d);
-  std::vector<int64_t> off(nk);
-  for (auto& x : keys) x = next();
-  for (int64_t j = 0; j < nk; ++j) off[j] = (nk - 1 - j) * d;  // rows gathered out of order
-  gather_keys(keys.data(), off.data(), nk, d, kb.data());
+  // The keys as a cache block of 64 rows of 3 kv heads (this check's head the second), read in
+  // place in order, and gathered out of order.
+  constexpr int64_t row = 3 * d, block = 64;
+  fd_amx::TileBuffer<uint16_t> cache(block * row), kb(round_up(nk, 32) * d);
+  std::vector<int64_t> in_order(nk), reversed(nk);
+  for (auto& x : cache) x = next();
+  for (int64_t j = 0; j < nk; ++j) in_order[j] = j * row + d, reversed[j] = (nk - 1 - j) * row + d;
+  gather_keys(cache.data(), reversed.data(), nk, d, kb.data());
   fd_amx::TileBuffer<uint32_t> qp(d / 2 * mq, 0u);
   for (int64_t i = 0; i < d / 2; ++i)
     for (int64_t r = 0; r < mp; ++r) qp[i * mq + r] = next() | static_cast<uint32_t>(next()) << 16;
-  std::vector<float> st(nk * mp, 0.f);
-  {
-    fd_amx::TileScope<Tiles> tiles;
-    scores<Tiles>(kb.data(), nk, d, qp.data(), mq, mp, st.data());
-  }
-  for (int64_t j = 0; j < nk; ++j)
-    for (int64_t r = 0; r < mp; ++r) {
-      double want = 0, mag = 0;
-      for (int64_t i = 0; i < d / 2; ++i)
-        for (int e = 0; e < 2; ++e) {
-          const double p = widen(keys[off[j] + 2 * i + e]) * widen((qp[i * mq + r] >> (16 * e)) & 0xffffu);
-          want += p, mag += std::fabs(p);
-        }
-      if (!(std::fabs(st[j * mp + r] - want) <= 1e-5 * mag)) return false;
+  for (const bool in_place : {true, false}) {
+    const std::vector<int64_t>& off = in_place ? in_order : reversed;
+    const KeyRows keys = in_place ? KeyRows{cache.data(), off.data(), row} : KeyRows{kb.data(), nullptr, d};
+    fd_amx::TileBuffer<float> st(round_up(nk, 32) * mp, 0.f);
+    {
+      fd_amx::TileScope<Tiles> tiles;
+      scores<Tiles>(keys, nk, d, qp.data(), mq, mp, st.data());
     }
-  // Weighted values: weights in [0, 2) as the softmax's (any values do for the check).
+    for (int64_t j = 0; j < nk; ++j)
+      for (int64_t r = 0; r < mp; ++r) {
+        double want = 0, mag = 0;
+        for (int64_t i = 0; i < d / 2; ++i)
+          for (int e = 0; e < 2; ++e) {
+            const double p = widen(cache[off[j] + 2 * i + e]) * widen((qp[i * mq + r] >> (16 * e)) & 0xffffu);
+            want += p, mag += std::fabs(p);
+          }
+        if (!(std::fabs(st[j * mp + r] - want) <= 1e-5 * mag)) return false;
+      }
+  }
+  // Weighted values: the weights exp(s) of scores s in about [-2, 2], packed by exp_weight_rows,
+  // and the same exponentials (the rows' vectors' lanes) for the sums below.
   fd_amx::TileBuffer<uint32_t> wa(round_up(m, 32) * ps, 0u), vp(ps * d, 0u);
-  std::vector<float> w(nk * mp);
-  for (auto& x : w) x = std::fabs(static_cast<float>(widen(next())));
-  pack_weight_rows(w.data(), nk, mp, m, ps, wa.data());
+  std::vector<float> sc(nk * mp), w(nk * mp);
+  for (auto& x : sc) x = static_cast<float>(widen(next()));
+  for (int64_t rv = 0; rv < m; rv += 16) {
+    exp_weight_rows(sc.data(), nk, mp, rv, m, fd_kernels::f32x16{}, ps, wa.data());
+    for (int64_t j = 0; j < nk; ++j) {
+      const fd_kernels::f32x16 e = fd_kernels::exp16(fd_kernels::load<fd_kernels::f32x16>(sc.data() + j * mp + rv));
+      for (int i = 0; i < 16; ++i) w[j * mp + rv + i] = e[i];
+    }
+  }
   std::vector<uint16_t> values(nk * d);
+  std::vector<int64_t> off(nk);
+  for (int64_t j = 0; j < nk; ++j) off[j] = (nk - 1 - j) * d;  // rows gathered out of order
   for (auto& x : values) x = next();
   pack_value_rows(values.data(), off.data(), nk, d, ps, vp.data());
   std::vector<float> o(m * d), alpha(m);

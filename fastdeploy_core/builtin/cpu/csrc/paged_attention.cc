@@ -254,6 +254,10 @@ inline f32x16 sum16(const f32x16* v) {
 
 // Keys per tile.
 constexpr int64_t kKeyTile = 64;
+// Keys per tile of an item multiplied in AMX tiles: a tile's fixed costs (the output's rescaling,
+// the maxima, the tiles' set-up) over twice the keys. (A 2,048-token prompt's attention on a Xeon
+// with AMX: see benchmarks/perf_cpu.md.)
+constexpr int64_t kTileKeyTile = 128;
 // Query rows (tokens x query heads of one kv head) per work item, at most.
 constexpr int64_t kRowsPerItem = 64;
 // Items per thread a job aims at before splitting items' keys.
@@ -455,7 +459,8 @@ void attend_item(void* ctx, int64_t index) {
   const bool narrow = m < kNarrowRows;
   // Rows per kv head call of the narrow paths: a grouped (single-token) item's group per head.
   const int64_t head_rows = it.heads > 1 ? group : m;
-  thread_local std::vector<float> qr, qt, st, o, mv, lv, av, kw, vw;
+  thread_local std::vector<float> qr, qt, o, mv, lv, av, kw, vw;
+  thread_local fd_amx::TileBuffer<float> st;  // the tile's scores (stored into by AMX tiles: 64-byte aligned rows)
   thread_local std::vector<int32_t> row_pos;
   thread_local std::vector<int64_t> off, wide_off, next_off;
   thread_local fd_amx::TileBuffer<uint32_t> qp, pp, vp;  // tile operands: 64-byte aligned
@@ -470,6 +475,7 @@ void attend_item(void* ctx, int64_t index) {
   thread_local fd_amx::TileBuffer<uint32_t> wa;
   const fd_amx_attention::ItemTiles item_tiles(tiles ? j.tiles : fd_amx_attention::Mode::kOff);
   const int64_t mq = tiles ? fd_amx_attention::query_columns(mp) : mp;
+  const int64_t key_tile = tiles ? kTileKeyTile : kKeyTile;
   const bool dot_scores = !tiles && bf16 && j.bf16_dot && (!narrow || fd_bf16_attention::narrow_takes(d));
   const bool dot_pv = !tiles && bf16 && j.bf16_dot && fd_bf16_attention::pv_takes(d);
   qr.assign(mq * d, 0.f);
@@ -496,13 +502,13 @@ void attend_item(void* ctx, int64_t index) {
   }
   row_pos.resize(mp);
   for (int64_t r = 0; r < mp; ++r) row_pos[r] = static_cast<int32_t>(j.token_pos[it.t_begin + std::min(r, m - 1) / token_rows]);
-  st.resize(kKeyTile * mp);
+  st.resize(key_tile * mp);
   o.assign(m * d, 0.f);
   mv.assign(mp, -INFINITY);
   lv.assign(mp, 0.f);
   av.resize(mp);
-  off.resize(kKeyTile);
-  next_off.resize(kKeyTile);
+  off.resize(key_tile);
+  next_off.resize(key_tile);
   const int64_t min_pos = j.token_pos[it.t_begin], max_pos = j.token_pos[it.t_end - 1];
   const int64_t* table = j.tables + it.seq * j.max_blocks;
   const int64_t row_stride = j.num_kv_heads * d;
@@ -513,31 +519,31 @@ void attend_item(void* ctx, int64_t index) {
   const uint16_t* k16 = bf16 ? j.k16 + it.g * d : nullptr;
   const uint16_t* v16 = bf16 ? j.v16 + it.g * d : nullptr;
   if (bf16) {
-    kw.resize(kKeyTile * d);
-    vw.resize(kKeyTile * d);
-    wide_off.resize(kKeyTile);
-    for (int64_t jj = 0; jj < kKeyTile; ++jj) wide_off[jj] = jj * d;
+    kw.resize(key_tile * d);
+    vw.resize(key_tile * d);
+    wide_off.resize(key_tile);
+    for (int64_t jj = 0; jj < key_tile; ++jj) wide_off[jj] = jj * d;
     k = kw.data(), v = vw.data();
     if (tiles) {
-      key_rows.resize(fd_amx_attention::round_up(kKeyTile, 32) * d);
-      wa.assign(fd_amx_attention::round_up(m, 32) * fd_amx_attention::weight_pairs(kKeyTile), 0u);
-      vp.resize(fd_amx_attention::weight_pairs(kKeyTile) * d);
+      key_rows.resize(fd_amx_attention::round_up(key_tile, 32) * d);
+      wa.assign(fd_amx_attention::round_up(m, 32) * fd_amx_attention::weight_pairs(key_tile), 0u);
+      vp.resize(fd_amx_attention::weight_pairs(key_tile) * d);
     }
     if (dot_pv) {
-      pp.resize((kKeyTile / 2) * mp);
-      vp.resize((kKeyTile / 2) * d);
+      pp.resize((key_tile / 2) * mp);
+      vp.resize((key_tile / 2) * d);
     }
   }
   const int64_t* tile_off = bf16 ? wide_off.data() : off.data();
   const f32x16 neg_inf = f32x16{} - INFINITY;
-  for (int64_t kb = it.k_lo; kb <= it.k_hi; kb += kKeyTile) {
-    const int64_t nk = std::min(kKeyTile, it.k_hi + 1 - kb);
+  for (int64_t kb = it.k_lo; kb <= it.k_hi; kb += key_tile) {
+    const int64_t nk = std::min(key_tile, it.k_hi + 1 - kb);
     key_offsets(table, j.block_size, kb, nk, row_stride, off.data());
     // The next tile's key and value rows asked for now: past L2's reach (a kv head's keys and
     // values at 8k context are ~2-4 MB) its strided rows otherwise arrive one miss at a time.
-    if (kb + kKeyTile <= it.k_hi) {
-      const int64_t nn = std::min(kKeyTile, it.k_hi + 1 - kb - kKeyTile);
-      key_offsets(table, j.block_size, kb + kKeyTile, nn, row_stride, next_off.data());
+    if (kb + key_tile <= it.k_hi && !tiles) {
+      const int64_t nn = std::min(key_tile, it.k_hi + 1 - kb - key_tile);
+      key_offsets(table, j.block_size, kb + key_tile, nn, row_stride, next_off.data());
       const int64_t row_bytes = it.heads * d * (bf16 ? 2 : 4);
       const char* kbase = bf16 ? reinterpret_cast<const char*>(k16) : reinterpret_cast<const char*>(j.k + it.g * d);
       const char* vbase = bf16 ? reinterpret_cast<const char*>(v16) : reinterpret_cast<const char*>(j.v + it.g * d);
@@ -555,8 +561,12 @@ void attend_item(void* ctx, int64_t index) {
       }
     }
     if (tiles) {
-      fd_amx_attention::gather_keys(k16, off.data(), nk, d, key_rows.data());
-      fd_amx_attention::scores(j.tiles, key_rows.data(), nk, d, qp.data(), mq, mp, st.data());
+      // Each 32 keys one block's consecutive rows: the A tiles read them in the cache.
+      const bool in_place = j.block_size % 32 == 0 && kb % 32 == 0;
+      if (!in_place) fd_amx_attention::gather_keys(k16, off.data(), nk, d, key_rows.data());
+      const fd_amx_attention::KeyRows keys = in_place ? fd_amx_attention::KeyRows{k16, off.data(), row_stride}
+                                                      : fd_amx_attention::KeyRows{key_rows.data(), nullptr, d};
+      fd_amx_attention::scores(j.tiles, keys, nk, d, qp.data(), mq, mp, st.data());
     } else
 #if defined(__x86_64__)
     if (dot_scores && narrow) {
@@ -601,11 +611,21 @@ void attend_item(void* ctx, int64_t index) {
     }
     // Online softmax over the tile, 16 rows per vector.
     for (int64_t rv = 0; rv < mp; rv += 16) {
-      f32x16 mx = neg_inf;
-      for (int64_t jj = 0; jj < nk; ++jj) {
+      // The rows' maxima in four chains of keys (a compare and a blend per key wait on the one
+      // before; the maximum is the same in any order).
+      f32x16 mc[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
+      int64_t jj = 0;
+      for (; jj + 4 <= nk; jj += 4)
+        for (int c = 0; c < 4; ++c) {
+          const f32x16 s = load16(st.data() + (jj + c) * mp + rv);
+          mc[c] = select(s > mc[c], s, mc[c]);
+        }
+      for (; jj < nk; ++jj) {
         const f32x16 s = load16(st.data() + jj * mp + rv);
-        mx = select(s > mx, s, mx);
+        mc[0] = select(s > mc[0], s, mc[0]);
       }
+      f32x16 mx = mc[0];
+      for (int c = 1; c < 4; ++c) mx = select(mc[c] > mx, mc[c], mx);
       const f32x16 m_old = load16(mv.data() + rv);
       // A bfloat16 cache: maxima on the lattice of multiples of ln 2 (bf16_attention.h), so a
       // weight's rounding does not depend on the tiles seen before it.
@@ -616,7 +636,10 @@ void attend_item(void* ctx, int64_t index) {
       const f32x16 m_use = select(m_new == neg_inf, f32x16{}, m_new);
       const f32x16 alpha = exp16(m_old - m_use);
       f32x16 sum{};
-      for (int64_t jj = 0; jj < nk; ++jj) {
+      if (tiles)  // the weights go straight into the tiles' key pairs
+        sum = fd_amx_attention::exp_weight_rows(st.data(), nk, mp, rv, m, m_use, fd_amx_attention::weight_pairs(key_tile),
+                                                wa.data());
+      for (int64_t jj = 0; !tiles && jj < nk; ++jj) {
         float* s = st.data() + jj * mp + rv;
         const f32x16 p = exp16(load16(s) - m_use);
         store16(s, p);
@@ -627,8 +650,7 @@ void attend_item(void* ctx, int64_t index) {
       store16(av.data() + rv, alpha);
     }
     if (tiles) {
-      const int64_t ps = fd_amx_attention::weight_pairs(kKeyTile);  // one stride for wa's zero rows past m
-      fd_amx_attention::pack_weight_rows(st.data(), nk, mp, m, ps, wa.data());
+      const int64_t ps = fd_amx_attention::weight_pairs(key_tile);  // one stride for wa's zero rows past m
       fd_amx_attention::pack_value_rows(v16, off.data(), nk, d, ps, vp.data());
       fd_amx_attention::weighted_values(j.tiles, wa.data(), ps, m, vp.data(), d, av.data(), o.data());
       continue;
