@@ -1,12 +1,16 @@
 """``fd_bf16_linear`` at the shapes of one SmolLM2-135M step: what the linear layers of a step cost.
 
-Usage: python benchmarks/bf16_step_shapes.py [--rows 64] [--path 0] [--json out.json]
+Usage: python benchmarks/bf16_step_shapes.py [--rows 64] [--path 0] [--layers-apart] [--json out.json]
 
 For ``--rows`` rows (a step's tokens), each projection of a layer (fused QKV [576, 960], output
 [576, 576], fused gate/up [576, 3072], down [1536, 576]) and the LM head [576, 49152], with
 bfloat16 weights in the kernel's pair tiles on the path the CPU chooses (``--path 0``; 2 forces
 ``vdpbf16ps``, 3 AMX tiles, 1 widening): best of 15 calls after
-3 warm-ups, and the step's total (30 layers and one head). Not part of the test suite.
+3 warm-ups, and the step's total (30 layers and one head). With ``--layers-apart`` each projection
+has 30 distinct weight matrices, as the model's layers do (~212 MB of bfloat16 weights, which no
+cache holds: each step reads them from memory), and a call's time is the best of 5 passes over
+the 30, divided by 30; without it one matrix is called again and again from the caches.
+Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--path", type=int, default=0, choices=[0, 1, 2, 3])
+    parser.add_argument("--layers-apart", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.rows < 1:
@@ -43,19 +48,23 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     m = args.rows
-    result = {**run_stamp(), "kernel_paths": matrix_paths(), "path": args.path, "rows": m, "shapes": []}
+    result = {**run_stamp(), "kernel_paths": matrix_paths(), "path": args.path, "rows": m,
+              "layers_apart": args.layers_apart, "shapes": []}
     total_us = total_macs = 0.0
     for name, k, n, count in SHAPES:
-        weight = layout.pack_bf16_pair_tiles(
+        copies = count if args.layers_apart else 1
+        weights = [layout.pack_bf16_pair_tiles(
             paddle.to_tensor((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)).astype("bfloat16"))
+            for _ in range(copies)]
         x = paddle.randn([m, k])
         for _ in range(3):
-            kernels.fd_bf16_linear(x, weight, args.path)
+            kernels.fd_bf16_linear(x, weights[0], args.path)
         times = []
-        for _ in range(15):
+        for _ in range(5 if args.layers_apart else 15):
             t0 = time.perf_counter()
-            kernels.fd_bf16_linear(x, weight, args.path)
-            times.append(time.perf_counter() - t0)
+            for weight in weights:
+                kernels.fd_bf16_linear(x, weight, args.path)
+            times.append((time.perf_counter() - t0) / copies)
         us = 1e6 * min(times)
         total_us += us * count
         total_macs += m * k * n * count

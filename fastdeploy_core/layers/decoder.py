@@ -20,7 +20,7 @@ import paddle
 from paddle import nn
 
 from fastdeploy_core.errors import ModelLoadError
-from fastdeploy_core.layers.activation import get_gated_activation
+from fastdeploy_core.layers.activation import SiluAndMul, get_gated_activation
 from fastdeploy_core.layers.attention import Attention
 from fastdeploy_core.layers.embedding import LMHead, VocabEmbedding
 from fastdeploy_core.layers.kv_layout import KVCacheLayout
@@ -167,6 +167,8 @@ class GatedMLP(nn.Layer):
         self.act_fn = get_gated_activation(hidden_act)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if isinstance(self.act_fn, SiluAndMul):  # the projection's method may fuse the two
+            return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

@@ -49,6 +49,11 @@ class LinearMethodBase:
     def apply(self, layer: Linear, x: paddle.Tensor) -> paddle.Tensor:
         raise NotImplementedError
 
+    def apply_silu_and_mul(self, layer: Linear, x: paddle.Tensor) -> paddle.Tensor:
+        """``silu_and_mul(apply(layer, x))`` for a merged gate/up projection; a method whose
+        device has one op for both (its product then never goes through memory) overrides it."""
+        return current_ops().silu_and_mul(self.apply(layer, x))
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """Float32 weight ``[in, out]`` (+ optional bias ``[out]``), applied by ``ops.linear``."""
@@ -166,6 +171,12 @@ class Linear(nn.Layer):
         if self.tp_mode == "row":
             return tp_group().all_reduce(self.quant_method.apply(self, x))
         return self.quant_method.apply(self, x)
+
+    def forward_silu_and_mul(self, x: paddle.Tensor) -> paddle.Tensor:
+        """SwiGLU of this projection's output halves (gate, up): ``silu_and_mul(forward(x))``."""
+        if self.tp_mode == "row":  # the halves of a partial sum are not the gate and up values
+            return current_ops().silu_and_mul(self.forward(x))
+        return self.quant_method.apply_silu_and_mul(self, x)
 
 
 class MergedColumnLinear(Linear):

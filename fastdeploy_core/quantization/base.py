@@ -68,6 +68,10 @@ class QuantizerBase(LinearMethodBase):
     config_class: ClassVar[type[QuantizerConfig]] = QuantizerConfig
     #: Name of the device op that runs this method (``ops.<device_op>(x, *op_args, bias)``).
     device_op: ClassVar[str | None] = None
+    #: Name of a device op computing ``silu_and_mul`` of :attr:`device_op`'s output in one call
+    #: (``ops.<fused_silu_op>(x, *op_args, bias)``), which a merged gate/up projection uses when
+    #: the ops table has it (:meth:`apply_silu_and_mul`).
+    fused_silu_op: ClassVar[str | None] = None
     #: GGUF tensor types (``"Q8_0"``, ``"Q4_1"``...) :meth:`load_gguf` takes without dequantizing.
     gguf_types: ClassVar[tuple[str, ...]] = ()
     #: Whether the device must declare this method in ``Device.quantization_methods``. A
@@ -402,6 +406,22 @@ class QuantizerBase(LinearMethodBase):
             self.__dict__["_ops"] = ops
             self.__dict__["_op"] = (getattr(ops, self.device_op, None) if self.device_op else None) or self.reference_op
         return self._op(x, *args)
+
+    def apply_silu_and_mul(self, layer, x: paddle.Tensor) -> paddle.Tensor:
+        """``silu_and_mul(apply(layer, x))`` for a merged gate/up projection: the device op
+        :attr:`fused_silu_op` when this method names one and the ops table has it, else the two."""
+        ops = current_ops()
+        if ops is not self.__dict__.get("_silu_ops"):  # looked up once per ops table, as apply's op
+            self.__dict__["_silu_ops"] = ops
+            self.__dict__["_silu_op"] = getattr(ops, self.fused_silu_op, None) if self.fused_silu_op else None
+        fused = self._silu_op
+        if fused is None:
+            return ops.silu_and_mul(self.apply(layer, x))
+        args = layer.__dict__.get("_quant_op_args")
+        if args is None:
+            args = (*self.op_args(layer), layer.bias)
+            layer.__dict__["_quant_op_args"] = args
+        return fused(x, *args)
 
     def adopt_device_layout(self, layer, prepare: str, names: tuple[str, ...]) -> bool:
         """Whether the ops table's ``prepare`` method laid the storage tensors ``names`` out for

@@ -9,7 +9,9 @@ Q/K/V, gate/up), tied heads and GGUF tensors fill it like any weight-only method
   bfloat16 (ties to even); a bfloat16 checkpoint's values arrive unchanged;
 * compute: the device op ``ops.bf16_linear(x, weight, bias)``, whose reference formula
   (:meth:`~fastdeploy_core.devices.reference_ops.ReferenceOps.bf16_linear`) rounds ``x`` to
-  bfloat16 the same way and sums the exact products in float32; the output is float32.
+  bfloat16 the same way and sums the exact products in float32; the output is float32. A merged
+  gate/up projection asks for ``ops.bf16_linear_silu_and_mul`` (the SwiGLU of the product's
+  halves in one op) where the device has it.
 
 Everything else the model computes stays float32: the token embedding, norms, rotary,
 attention, softmax, the KV cache, MoE experts (refused for now) and the sampler.
@@ -33,6 +35,7 @@ class BFloat16Linear(QuantizerBase):
     name = "bfloat16"
     config_class = QuantizerConfig
     device_op = "bf16_linear"
+    fused_silu_op = "bf16_linear_silu_and_mul"
     requires_device_support = False  # the dtype check (config.check_dtype) is what asks the device
     #: bfloat16 keeps 8 significant bits: Gaussian layers land ~3e-3 (relative) from float32.
     expected_error = 0.01

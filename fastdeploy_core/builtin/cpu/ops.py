@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 from paddle import _C_ops
 
-from fastdeploy_core.builtin.cpu.kernels import has_avx512_bf16, has_int8_dot, load_kernels
+from fastdeploy_core.builtin.cpu.kernels import amx_state, has_avx512_bf16, has_int8_dot, load_kernels
 from fastdeploy_core.builtin.cpu.layout import (
     PACK_COLUMNS,
     QUAD_ROWS,
@@ -180,6 +180,22 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         if weight.ndim != 4 or x.dtype != paddle.float32 or not (self._have_kernels or self._ready()):
             return ReferenceOps.bf16_linear(self, x, weight, bias)
         return add_bias(_run("fd_bf16_linear", x, weight, self.bf16_path if path is None else int(path))[0], bias)
+
+    def bf16_linear_silu_and_mul(self, x, weight, bias=None) -> paddle.Tensor:
+        """``silu_and_mul(bf16_linear(x, weight, bias))`` (a merged gate/up projection): in one
+        kernel, ``fd_bf16_linear_silu``, when this process's bf16 linears multiply in AMX tiles
+        (their product never goes through memory; the bits are the two ops'), else the two ops."""
+        if (bias is None and weight.ndim == 4 and weight.shape[0] % 2 == 0 and x.dtype == paddle.float32
+                and self.bf16_path == 0 and (self._have_kernels or self._ready()) and self._bf16_tiles()):
+            return _run("fd_bf16_linear_silu", x, weight, 3)[0]
+        return self.silu_and_mul(self.bf16_linear(x, weight, bias))
+
+    def _bf16_tiles(self) -> bool:
+        """Whether ``fd_bf16_linear``'s auto path multiplies in AMX tiles in this process."""
+        tiles = self.__dict__.get("_bf16_tiles_state")
+        if tiles is None:
+            tiles = self.__dict__["_bf16_tiles_state"] = amx_state("fd_bf16_amx_state") == 1
+        return tiles
 
     #: int4 layers (``wint4``, ``w4a8``) take the VNNI layout when the kernels have integer dot
     #: products on this CPU (AVX-512 VNNI, or AVX2: ``has_int8_dot``); ``FD_INT4_VNNI=0`` keeps

@@ -269,3 +269,63 @@ def test_a_captured_bf16_linear_replays_on_refreshed_input(ops, restore_ops):
     want = emulate_tiles(x_host, bits) if AMX_IN_USE else emulate(x_host, bits)
     np.testing.assert_array_equal(graph.output.numpy(), want)
     graph.release()
+
+
+# ---- fd_bf16_linear_silu: a merged gate/up projection and its SwiGLU in one op -------------------
+
+
+def silu_and_mul_numpy(y: np.ndarray) -> np.ndarray:
+    """silu(gate) * up of the two halves, float32, within float32 rounding of the kernels' formula."""
+    gate, up = np.split(y.astype(np.float64), 2, axis=-1)
+    return (gate / (1 + np.exp(-gate)) * up).astype(np.float32)
+
+
+@pytest.mark.parametrize("path", AMX_PATHS)
+@pytest.mark.parametrize(
+    "m,k,n",
+    # rows: one, a tile and one more, two blocks of 32 and a part, more than one AMX panel (K = 1536:
+    # 320 rows with a 2 MiB L2); k pairs with and without a tail of a tile; halves of one and three tiles
+    [(1, 64, 64), (17, 576, 192), (70, 100, 64), (530, 1536, 64)],
+)
+def test_fused_swiglu_is_the_linear_then_silu_and_mul_bit_for_bit(ops, path, m, k, n):
+    x, bits = case(np.random.default_rng(m + k + n + 7), m, k, n)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+    fused = load_kernels().fd_bf16_linear_silu(paddle.to_tensor(x), packed, path).numpy()
+    product = ops.bf16_linear(paddle.to_tensor(x), packed, path=path)
+    np.testing.assert_array_equal(fused, ops.silu_and_mul(product).numpy())
+    # ...and that is SwiGLU of the tile order's sums (not of another product of the same weights)
+    np.testing.assert_allclose(fused, silu_and_mul_numpy(emulate_tiles(x, bits)), rtol=1e-5, atol=1e-6)
+    assert fused.shape == (m, n // 2)
+
+
+def test_fused_swiglu_refuses_what_it_cannot_take(ops):
+    x, bits = case(np.random.default_rng(5), 3, 64, 96)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))  # 3 tiles: no whole halves
+    with pytest.raises(Exception, match="gate and up halves must be whole tiles of 32 columns"):
+        load_kernels().fd_bf16_linear_silu(paddle.to_tensor(x), packed, AMX_MODEL)
+    x, bits = case(np.random.default_rng(6), 3, 64, 64)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+    with pytest.raises(Exception, match=r"path must be 3 \(amx\) or 4"):
+        load_kernels().fd_bf16_linear_silu(paddle.to_tensor(x), packed, AUTO)
+    if not has_amx_bf16():
+        with pytest.raises(Exception, match="the amx path needs AMX-BF16 tiles"):
+            load_kernels().fd_bf16_linear_silu(paddle.to_tensor(x), packed, AMX)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_ops_fuse_the_swiglu_only_where_the_linears_take_tiles(ops, bias, monkeypatch):
+    """``CpuOps.bf16_linear_silu_and_mul`` gives the two ops' bits whichever way it goes: one
+    kernel where the auto path multiplies in AMX tiles (and there is no bias), else the two ops."""
+    import fastdeploy_core.builtin.cpu.ops as cpu_ops
+
+    x, bits = case(np.random.default_rng(11), 40, 576, 128)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+    b = paddle.to_tensor(np.random.default_rng(12).standard_normal(128).astype(np.float32)) if bias else None
+    called = []
+    run = cpu_ops._run
+    monkeypatch.setattr(cpu_ops, "_run", lambda name, *args: called.append(name) or run(name, *args))
+    got = ops.bf16_linear_silu_and_mul(paddle.to_tensor(x), packed, b).numpy()
+    fused = AMX_IN_USE and not bias and ops.bf16_path == AUTO
+    assert called == (["fd_bf16_linear_silu"] if fused else ["fd_bf16_linear", "fd_silu_mul"])
+    want = ops.silu_and_mul(ops.bf16_linear(paddle.to_tensor(x), packed, b)).numpy()
+    np.testing.assert_array_equal(got, want)

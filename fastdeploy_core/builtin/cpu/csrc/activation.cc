@@ -18,7 +18,6 @@
 
 namespace {
 
-using fd_kernels::exp16;
 using fd_kernels::f32x16;
 using fd_kernels::load16;
 using fd_kernels::store16;
@@ -40,11 +39,7 @@ void silu_rows(void* ctx, int64_t chunk) {
     float* o = j.out + r * I;
     int64_t i = 0;
     for (; i + 16 <= I; i += 16) {
-      const f32x16 g = load16(gate + i);
-      const f32x16 neg_abs = fd_kernels::select(g < 0.f, g, -g);
-      const f32x16 e = exp16(neg_abs);
-      const f32x16 sig = fd_kernels::select(g < 0.f, e, f32x16{} + 1.f) / (e + 1.f);
-      store16(o + i, g * sig * load16(up + i));
+      store16(o + i, fd_kernels::silu_mul16(load16(gate + i), load16(up + i)));
     }
     for (; i < I; ++i) o[i] = silu_scalar(gate[i]) * up[i];
   }

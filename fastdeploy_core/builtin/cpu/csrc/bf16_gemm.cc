@@ -280,6 +280,41 @@ void linear_amx(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K
   gemm_amx<Tiles>(Problem{xb, w, y, M, K2, N}, stride);
 }
 
+// fd_bf16_linear_silu's loop: p.y [M, N / 2] = silu(gate) * up, gate and up the two halves of the
+// [M, N] product (columns [0, N / 2) and [N / 2, N)), each item's rows of gate tile t and up tile
+// t + N / 64 in blocks of 32: both blocks' sums into L1 buffers, then the SwiGLU of the pair into
+// y's lines, claimed while the tiles multiply. The sums are fd_bf16_linear's amx path's (the tile
+// order depends on K alone) and the epilogue is fd_silu_mul's formula, so the result is that of
+// the two ops bit for bit, without the [M, N] product going through memory: on a Xeon with AMX
+// a 512-row [576, 3072] gate/up projection wrote 6 MB of it and fd_silu_mul read it back.
+template <class Tiles>
+void gate_up_silu_amx(const Problem& p, int64_t x_stride) {
+  const int64_t half = p.N / kCols / 2, I = p.N / 2;
+  fd_kernels::run_row_panels(p.M, half, [&p, x_stride, half, I](int64_t t, int64_t m_begin, int64_t m_end) {
+    alignas(64) uint8_t tail_g[fd_amx::kTileGroups * fd_amx::kGroupBytes], tail_u[fd_amx::kTileGroups * fd_amx::kGroupBytes];
+    alignas(64) float g[fd_amx::kBlockRows][kCols], u[fd_amx::kBlockRows][kCols];
+    const uint8_t* wg = p.w + t * p.K2 * kPairBytes;
+    const uint8_t* wu = p.w + (t + half) * p.K2 * kPairBytes;
+    fd_amx::TileOperands gate{nullptr, x_stride, wg, p.K2, fd_amx::padded_tail(wg, p.K2, tail_g)};
+    fd_amx::TileOperands up{nullptr, x_stride, wu, p.K2, fd_amx::padded_tail(wu, p.K2, tail_u)};
+    fd_amx::TileScope<Tiles> scope;
+    for (int64_t m = m_begin; m < m_end; m += fd_amx::kBlockRows) {
+      const int64_t rows = std::min<int64_t>(fd_amx::kBlockRows, m_end - m);
+      float* ym = p.y + m * I + t * kCols;
+      for (int64_t r = 0; r < rows; ++r) {  // y's lines asked for now, written after both products
+        __builtin_prefetch(ym + r * I, 1, 3);
+        __builtin_prefetch(ym + r * I + 16, 1, 3);
+      }
+      gate.a = up.a = p.xb + m * x_stride;
+      fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, gate, rows, reinterpret_cast<uint8_t*>(&g[0][0]), kCols * 4, false);
+      fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, up, rows, reinterpret_cast<uint8_t*>(&u[0][0]), kCols * 4, false);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < kCols; h += 16)
+          fd_kernels::store16(ym + r * I + h, fd_kernels::silu_mul16(fd_kernels::load16(g[r] + h), fd_kernels::load16(u[r] + h)));
+    }
+  }, fd_kernels::panel_rows_for(x_stride * 4));
+}
+
 void gemm(const Problem& p, bool dot) {
 #if !defined(__AVX512F__)
   if (!dot && p.M > kWidenOnceRows) return gemm_widened_once(p);
@@ -403,6 +438,36 @@ std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x_in, const paddle:
   return {out};
 }
 
+// silu(gate) * up of the linear's two output halves (SwiGLU on a merged gate/up projection),
+// through AMX tiles: `path` 3 the instructions (an error without AMX-BF16 tiles), 4 their
+// software model. fd_bf16_linear on the same path followed by fd_silu_mul gives the same bits.
+std::vector<paddle::Tensor> Bf16LinearSilu(const paddle::Tensor& x_in, const paddle::Tensor& weight, int64_t path) {
+  PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32, "x must be float32");
+  PD_CHECK(weight.dtype() == paddle::DataType::BFLOAT16, "weight must be bfloat16");
+  const auto& ws = weight.shape();
+  PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == 2, "weight must be packed [N / 32, K2, 32, 2]");
+  PD_CHECK(ws[0] % 2 == 0, "the gate and up halves must be whole tiles of 32 columns each (N = ", ws[0] * kCols,
+           " is not a multiple of 64)");
+  PD_CHECK(path == kAmx || path == kAmxModel, "path must be 3 (amx) or 4 (amx on the tile model), got ", path);
+  PD_CHECK(path != kAmx || fd_amx::amx_permitted(fd_amx::Kind::kBf16),
+           "the amx path needs AMX-BF16 tiles granted by the OS, which this CPU or kernel does not have");
+  const int64_t K2 = ws[1], N = ws[0] * kCols, K = x_in.shape().back();
+  PD_CHECK(K == 2 * K2 || K == 2 * K2 - 1, "x's last axis (", K, ") does not fit the weight's ", K2, " k pairs");
+  auto out = fd_graph::empty(out_shape(x_in.shape(), N / 2), paddle::DataType::FLOAT32);
+  fd_graph::run("fd_bf16_linear_silu", {&x_in, &weight}, {&out}, [=]() mutable {
+    const paddle::Tensor x = x_in.contiguous();
+    const int64_t M = K > 0 ? x.numel() / K : 0;
+    const int64_t stride = fd_amx::padded_groups(K2);
+    const uint32_t* xb = rounded_rows(x.data<float>(), M, K, K2, fd_amx::padded_rows(M), stride);
+    const Problem p{xb, static_cast<const uint8_t*>(weight.data()), out.data<float>(), M, K2, N};
+#if defined(__x86_64__)
+    if (path == kAmx) return gate_up_silu_amx<fd_amx::HardwareTiles>(p, stride);
+#endif
+    gate_up_silu_amx<fd_amx::ModelTiles>(p, stride);
+  });
+  return {out};
+}
+
 // 1 when this CPU runs the dot path (AVX-512 BF16), else 0.
 std::vector<paddle::Tensor> Bf16DotAvailable(const paddle::Tensor& unused) {
   auto out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
@@ -450,3 +515,15 @@ PD_BUILD_OP(fd_bf16_dot_available)
     .Inputs({"Unused"})
     .Outputs({"Available"})
     .SetKernelFn(PD_KERNEL(Bf16DotAvailable));
+
+std::vector<std::vector<int64_t>> Bf16SiluShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w) {
+  return {out_shape(x, w[0] * kCols / 2)};
+}
+
+PD_BUILD_OP(fd_bf16_linear_silu)
+    .Inputs({"X", "Weight"})
+    .Outputs({"Out"})
+    .Attrs({"path: int64_t"})
+    .SetKernelFn(PD_KERNEL(Bf16LinearSilu))
+    .SetInferShapeFn(PD_INFER_SHAPE(Bf16SiluShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(Bf16Dtype));

@@ -203,6 +203,15 @@ __attribute__((always_inline)) inline f32x16 exp16(f32x16 x_in) {
   return select(x_in < lo, f32x16{}, e);
 }
 
+// silu(g) * u for 16 lanes (SwiGLU): g * sigmoid(g) * u, the sigmoid from exp(-|g|) (no overflow
+// for any g): fd_silu_mul's formula, and fd_bf16_linear_silu's epilogue, which must give its bits.
+inline f32x16 silu_mul16(f32x16 g, f32x16 u) {
+  const f32x16 neg_abs = select(g < 0.f, g, -g);
+  const f32x16 e = exp16(neg_abs);
+  const f32x16 sig = select(g < 0.f, e, f32x16{} + 1.f) / (e + 1.f);
+  return g * sig * u;
+}
+
 // sum of a[i] * b[i] over d floats: 16-lane partial sums, then the tail in order.
 inline float dot(const float* a, const float* b, int64_t d) {
   int64_t i = 0;
