@@ -33,6 +33,7 @@ class W8A8(WeightOnlyInt8):
     config_class = W8A8Config
     expected_error = 0.03
     device_op = "w8a8_linear"
+    fused_silu_op = "w8a8_linear_silu_and_mul"
     device_layout = "prepare_w8a8_weights"
     #: its experts would need the int8-activation formula, which fused_moe does not have
     quantizes_experts = False

@@ -75,6 +75,34 @@ class CpuQuantOps:
             return add_bias(_run("fd_w8a8_linear", x, weight, scale, 1, self.int8_tiles_path)[0], bias)
         return add_bias(_run("fd_int8_linear", x, weight, scale, group_size, True)[0], bias)
 
+    def wint8_linear_silu_and_mul(self, x, weight, scale, group_size: int, bias=None) -> paddle.Tensor:
+        """``silu_and_mul(wint8_linear(...))`` (a merged gate/up projection): one kernel,
+        ``fd_w8a8_linear_silu``, where the step takes AMX-INT8 tiles, else the two ops."""
+        if self._int8_tiles_take(x, weight, bias):
+            return _run("fd_w8a8_linear_silu", x, weight, scale, 2, 2)[0]
+        return self.silu_and_mul(self.wint8_linear(x, weight, scale, group_size, bias))
+
+    def w8a8_linear_silu_and_mul(self, x, weight, scale, group_size: int, bias=None) -> paddle.Tensor:
+        """``silu_and_mul(w8a8_linear(...))``: one kernel where the step takes AMX-INT8 tiles
+        (the same bits: exact integer sums, fd_silu_mul's formula), else the two ops."""
+        if self._int8_tiles_take(x, weight, bias):
+            return _run("fd_w8a8_linear_silu", x, weight, scale, 1, 2)[0]
+        return self.silu_and_mul(self.w8a8_linear(x, weight, scale, group_size, bias))
+
+    def _int8_tiles_take(self, x, weight, bias) -> bool:
+        """Whether ``fd_w8a8_linear``'s auto path would take AMX-INT8 tiles for ``x`` (16 rows or
+        more, tiles granted and checked) on a quad-packed ``weight`` of whole gate/up halves."""
+        if bias is not None or weight.ndim != 4 or weight.shape[0] % 2 or x.dtype != paddle.float32:
+            return False
+        if self.int8_tiles_path != 0 or x.ndim < 1 or int(np.prod(x.shape[:-1])) < 16:
+            return False
+        if not (self._have_kernels or self._ready()):
+            return False
+        tiles = self.__dict__.get("_int8_tiles_state")
+        if tiles is None:
+            tiles = self.__dict__["_int8_tiles_state"] = amx_state("fd_w8a8_amx_state") == 1
+        return tiles
+
     #: ``w8a8`` layers multiply int8 by int8 (``fd_w8a8_linear``) when the kernels have integer dot
     #: products here (``has_int8_dot``); ``FD_W8A8_INT_DOT=0`` keeps the float32 products of
     #: ``fd_int8_linear``.

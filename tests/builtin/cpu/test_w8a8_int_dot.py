@@ -263,3 +263,66 @@ def test_each_method_keeps_its_own_switch(cpu_kernels, monkeypatch):
         cls().process_weights_after_loading(layer)
         layers[cls.name] = layer.weight.ndim
     assert layers == {"w8a8": 3, "wint8": 4}
+
+
+# ---- fd_w8a8_linear_silu: a merged gate/up projection and its SwiGLU in one op ---------------------
+
+TILE_PATHS = [AMX_MODEL] + ([AMX] if amx_state() == 1 else [])
+
+
+@pytest.mark.parametrize("path", TILE_PATHS)
+@pytest.mark.parametrize("pieces", [1, 2])
+@pytest.mark.parametrize("rows", [16, 45, 530])  # a tile; a block and a part; past an AMX panel
+@pytest.mark.parametrize("shape", [(576, 128), (1536, 64), (44, 192)], ids=["576x128", "1536x64", "44x192"])
+def test_fused_swiglu_is_the_linear_then_silu_and_mul_bit_for_bit(path, pieces, rows, shape, cpu_kernels):
+    K, N = shape
+    rng = np.random.default_rng(rows + K + N + pieces)
+    q = rng.integers(-127, 128, (K, N)).astype(np.int8)
+    ws = (rng.random(N).astype(np.float32) + 0.5) / 127
+    x = gaussian(rng, (rows, K))
+    args = (paddle.to_tensor(x), pack_int8_quad_tiles(paddle.to_tensor(q)), paddle.to_tensor(ws.reshape(1, N)), pieces)
+    fused = cpu_kernels.fd_w8a8_linear_silu(*args, path).numpy()
+    product = cpu_kernels.fd_w8a8_linear(*args, VECTOR)  # any path: the same bits
+    np.testing.assert_array_equal(product.numpy(), formula(x, q, ws, pieces))
+    np.testing.assert_array_equal(fused, cpu_kernels.fd_silu_mul(product).numpy())
+    assert fused.shape == (rows, N // 2)
+
+
+def test_fused_swiglu_refuses_what_it_cannot_take(cpu_kernels):
+    x = paddle.to_tensor(gaussian(np.random.default_rng(1), (16, 64)))
+    three = pack_int8_quad_tiles(paddle.zeros([64, 96], dtype="int8"))
+    with pytest.raises(Exception, match="gate and up halves must be whole tiles of 32 columns"):
+        cpu_kernels.fd_w8a8_linear_silu(x, three, paddle.ones([1, 96]), 1, AMX_MODEL)
+    two = pack_int8_quad_tiles(paddle.zeros([64, 64], dtype="int8"))
+    with pytest.raises(Exception, match=r"path must be 2 \(amx\) or 3"):
+        cpu_kernels.fd_w8a8_linear_silu(x, two, paddle.ones([1, 64]), 1, AUTO)
+    if not has_amx_int8():
+        with pytest.raises(Exception, match="the amx path needs AMX-INT8 tiles"):
+            cpu_kernels.fd_w8a8_linear_silu(x, two, paddle.ones([1, 64]), 1, AMX)
+
+
+@pytest.mark.parametrize("method", ["w8a8", "wint8"])
+@pytest.mark.parametrize("rows", [3, 40])
+def test_ops_fuse_the_swiglu_only_where_the_step_takes_int8_tiles(method, rows, monkeypatch, cpu_kernels):
+    """``CpuOps.{w8a8,wint8}_linear_silu_and_mul`` give the two ops' bits either way: one kernel
+    where ``fd_w8a8_linear``'s auto path takes AMX-INT8 tiles (16 rows or more), else the two ops."""
+    import fastdeploy_core.builtin.cpu.ops as cpu_ops
+
+    ops = CpuOps()
+    rng = np.random.default_rng(rows)
+    w = gaussian(rng, (576, 128))
+    codes = quantize_int8(w, 576)
+    prepared = (ops.prepare_w8a8_weights if method == "w8a8" else ops.prepare_wint8_weights)(
+        paddle.to_tensor(codes["weight"]), paddle.to_tensor(codes["weight_scale"]))
+    if prepared is None:
+        pytest.skip("no integer dot products here: the int8 layers keep float32 products")
+    weight, scale = prepared
+    x = paddle.to_tensor(gaussian(rng, (rows, 576)))
+    called = []
+    run = cpu_ops._run
+    monkeypatch.setattr(cpu_ops, "_run", lambda name, *args: called.append(name) or run(name, *args))
+    got = getattr(ops, f"{method}_linear_silu_and_mul")(x, weight, scale, 576).numpy()
+    fused = rows >= 16 and amx_state() == 1 and ops.int8_tiles_path == AUTO
+    assert called == (["fd_w8a8_linear_silu"] if fused else ["fd_w8a8_linear", "fd_silu_mul"])
+    linear = getattr(ops, f"{method}_linear")(x, weight, scale, 576)
+    np.testing.assert_array_equal(got, ops.silu_and_mul(linear).numpy())

@@ -56,6 +56,7 @@
 #include "int8_dot.h"
 #include "paddle/extension.h"
 #include "row_panels.h"
+#include "vector_math.h"
 
 namespace {
 
@@ -253,38 +254,67 @@ void gemm(const Problem& p) {
 enum Path : int64_t { kAuto = 0, kVector = 1, kAmx = 2, kAmxModel = 3 };
 constexpr int64_t kAmxMinRows = fd_amx::kTileRows;  // the auto path's tiles: calls of a full A tile or more
 
-// The amx path: each item's rows of one tile through tiles, piece by piece (quantize_rows laid
+// The amx path's outputs of tile t for rows [m_begin, m_end) (at most a panel) into out (row m at
+// out + (m - m_begin) * out_stride): the rows through tiles, piece by piece (quantize_rows laid
 // the codes out for tiles); the sums of two pieces meet in the same epilogue as the vector
 // path's (float(hi) * 256 + float(lo), fused).
 template <class Tiles, int PIECES>
-void gemm_amx(const Problem& p) {
+void tile_outputs(const Problem& p, int64_t panel_rows, int64_t t, int64_t m_begin, int64_t m_end, float* out,
+                  int64_t out_stride) {
   const int64_t a_stride = p.x_stride / kQuad;
   auto piece = [&p](int q) { return reinterpret_cast<const uint32_t*>(p.xq + q * p.x_rows * p.x_stride); };
+  const auto* wt = reinterpret_cast<const uint8_t*>(p.w + t * (p.K / kQuad) * kQuadBytes);
+  const float* ws = p.ws + t * kCols;
+  thread_local std::vector<int32_t> high_rows;  // the high piece's sums of the panel's rows
+  if constexpr (PIECES == 2) high_rows.resize(static_cast<size_t>(panel_rows * kCols));
+  auto high = reinterpret_cast<int32_t (*)[kCols]>(high_rows.data());
+  if constexpr (PIECES == 2)
+    fd_amx::tile_rows<Tiles>(fd_amx::Kind::kInt8, piece(0), a_stride, wt, p.K / kQuad, m_begin, m_end,
+                             [&](int64_t m, int64_t rows, const uint32_t (*sums)[fd_amx::kTileCols]) {
+                               std::memcpy(high[m - m_begin], sums, rows * kCols * sizeof(int32_t));
+                             });
+  fd_amx::tile_rows<Tiles>(
+      fd_amx::Kind::kInt8, piece(PIECES - 1), a_stride, wt, p.K / kQuad, m_begin, m_end,
+      [&](int64_t m, int64_t rows, const uint32_t (*sums)[fd_amx::kTileCols]) {
+        for (int64_t r = 0; r < rows; ++r) {
+          float* yr = out + (m + r - m_begin) * out_stride;
+          const float xs = p.xs[m + r];
+          for (int64_t n = 0; n < kCols; ++n) {
+            float v = static_cast<float>(static_cast<int32_t>(sums[r][n]));
+            if constexpr (PIECES == 2) v = std::fma(static_cast<float>(high[m - m_begin + r][n]), 256.f, v);
+            yr[n] = (v * ws[n]) * xs;
+          }
+        }
+      });
+}
+
+template <class Tiles, int PIECES>
+void gemm_amx(const Problem& p) {
   const int64_t panel_rows = fd_kernels::panel_rows_for(PIECES * p.x_stride);
   fd_kernels::run_row_panels(p.M, p.N / kCols, [&](int64_t t, int64_t m_begin, int64_t m_end) {
-    const auto* wt = reinterpret_cast<const uint8_t*>(p.w + t * (p.K / kQuad) * kQuadBytes);
-    const float* ws = p.ws + t * kCols;
-    thread_local std::vector<int32_t> high_rows;  // the high piece's sums of the panel's rows
-    if constexpr (PIECES == 2) high_rows.resize(static_cast<size_t>(panel_rows * kCols));
-    auto high = reinterpret_cast<int32_t (*)[kCols]>(high_rows.data());
-    if constexpr (PIECES == 2)
-      fd_amx::tile_rows<Tiles>(fd_amx::Kind::kInt8, piece(0), a_stride, wt, p.K / kQuad, m_begin, m_end,
-                               [&](int64_t m, int64_t rows, const uint32_t (*out)[fd_amx::kTileCols]) {
-                                 std::memcpy(high[m - m_begin], out, rows * kCols * sizeof(int32_t));
-                               });
-    fd_amx::tile_rows<Tiles>(
-        fd_amx::Kind::kInt8, piece(PIECES - 1), a_stride, wt, p.K / kQuad, m_begin, m_end,
-        [&](int64_t m, int64_t rows, const uint32_t (*out)[fd_amx::kTileCols]) {
-          for (int64_t r = 0; r < rows; ++r) {
-            float* yr = p.y + (m + r) * p.N + t * kCols;
-            const float xs = p.xs[m + r];
-            for (int64_t n = 0; n < kCols; ++n) {
-              float v = static_cast<float>(static_cast<int32_t>(out[r][n]));
-              if constexpr (PIECES == 2) v = std::fma(static_cast<float>(high[m - m_begin + r][n]), 256.f, v);
-              yr[n] = (v * ws[n]) * xs;
-            }
-          }
-        });
+    tile_outputs<Tiles, PIECES>(p, panel_rows, t, m_begin, m_end, p.y + m_begin * p.N + t * kCols, p.N);
+  }, panel_rows);
+}
+
+// fd_w8a8_linear_silu's loop: p.y [M, N / 2] = silu(gate) * up of the product's halves (columns
+// [0, N / 2) and [N / 2, N)): each item's rows of gate tile t and up tile t + N / 64 into two
+// buffers of the thread (L2), then fd_silu_mul's formula into y, so the [M, N] product never
+// goes through memory. The same bits as fd_w8a8_linear (any path: exact integer sums) and then
+// fd_silu_mul.
+template <class Tiles, int PIECES>
+void gate_up_silu_amx(const Problem& p) {
+  const int64_t panel_rows = fd_kernels::panel_rows_for(PIECES * p.x_stride), half = p.N / kCols / 2, I = p.N / 2;
+  fd_kernels::run_row_panels(p.M, half, [&](int64_t t, int64_t m_begin, int64_t m_end) {
+    thread_local fd_amx::TileBuffer<float> gate, up;
+    gate.resize(static_cast<size_t>(panel_rows * kCols));
+    up.resize(static_cast<size_t>(panel_rows * kCols));
+    tile_outputs<Tiles, PIECES>(p, panel_rows, t, m_begin, m_end, gate.data(), kCols);
+    tile_outputs<Tiles, PIECES>(p, panel_rows, t + half, m_begin, m_end, up.data(), kCols);
+    for (int64_t m = m_begin; m < m_end; ++m)
+      for (int64_t h = 0; h < kCols; h += 16)
+        fd_kernels::store16(p.y + m * I + t * kCols + h,
+                            fd_kernels::silu_mul16(fd_kernels::load16(gate.data() + (m - m_begin) * kCols + h),
+                                                   fd_kernels::load16(up.data() + (m - m_begin) * kCols + h)));
   }, panel_rows);
 }
 
@@ -378,6 +408,44 @@ std::vector<paddle::Tensor> W8a8Linear(const paddle::Tensor& x_in, const paddle:
   return {out};
 }
 
+// silu(gate) * up of the linear's two output halves (SwiGLU on a merged gate/up projection) on
+// AMX-INT8 tiles: `path` 2 the instructions (an error without them), 3 their software model.
+// fd_w8a8_linear with the same pieces followed by fd_silu_mul gives the same bits.
+std::vector<paddle::Tensor> W8a8LinearSilu(const paddle::Tensor& x_in, const paddle::Tensor& weight,
+                                           const paddle::Tensor& scale, int64_t pieces, int64_t path) {
+  PD_CHECK(pieces == 1 || pieces == 2, "pieces must be 1 (int8 activations) or 2 (16-bit), got ", pieces);
+  PD_CHECK(path == kAmx || path == kAmxModel, "path must be 2 (amx) or 3 (amx on the tile model), got ", path);
+  PD_CHECK(path != kAmx || fd_amx::amx_permitted(fd_amx::Kind::kInt8),
+           "the amx path needs AMX-INT8 tiles granted by the OS, which this CPU or kernel does not have");
+  PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32, "x must be float32");
+  PD_CHECK(weight.dtype() == paddle::DataType::INT8, "weight must be int8");
+  const auto& ws = weight.shape();
+  PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == kQuad, "weight must be packed [N / 32, K / 4, 32, 4]");
+  PD_CHECK(ws[0] % 2 == 0, "the gate and up halves must be whole tiles of 32 columns each (N = ", ws[0] * kCols,
+           " is not a multiple of 64)");
+  const int64_t K = ws[1] * kQuad, N = ws[0] * kCols;
+  PD_CHECK(x_in.shape().back() == K, "x's last axis (", x_in.shape().back(), ") must equal the weight's K (", K, ")");
+  PD_CHECK(scale.dtype() == paddle::DataType::FLOAT32 && scale.numel() == N,
+           "scale must be float32 with one value per output channel (", N, ")");
+  auto out = fd_graph::empty(out_shape(x_in.shape(), N / 2), paddle::DataType::FLOAT32);
+  fd_graph::run("fd_w8a8_linear_silu", {&x_in, &weight, &scale}, {&out}, [=]() mutable {
+    const paddle::Tensor x = x_in.contiguous();
+    const int64_t M = K > 0 ? x.numel() / K : 0;
+    thread_local Rows rows;
+    quantize_rows(x.data<float>(), M, K, static_cast<int>(pieces), true, &rows);
+    const Problem p{rows.q.data(), rows.bias.data(), rows.scale.data(), static_cast<const int8_t*>(weight.data()),
+                    scale.data<float>(), out.data<float>(), M, K, N, rows.rows, rows.stride};
+    if (M == 0) return;
+#if defined(__x86_64__)
+    if (path == kAmx) return pieces == 1 ? gate_up_silu_amx<fd_amx::HardwareTiles, 1>(p)
+                                         : gate_up_silu_amx<fd_amx::HardwareTiles, 2>(p);
+#endif
+    if (pieces == 1) return gate_up_silu_amx<fd_amx::ModelTiles, 1>(p);
+    gate_up_silu_amx<fd_amx::ModelTiles, 2>(p);
+  });
+  return {out};
+}
+
 std::vector<std::vector<int64_t>> W8a8Shape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
                                             const std::vector<int64_t>&) {
   return {out_shape(x, w[0] * kCols)};
@@ -411,3 +479,16 @@ PD_BUILD_OP(fd_w8a8_amx_state)
     .Outputs({"State"})
     .Attrs({"model: int64_t"})
     .SetKernelFn(PD_KERNEL(W8a8AmxState));
+
+std::vector<std::vector<int64_t>> W8a8SiluShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
+                                                const std::vector<int64_t>&) {
+  return {out_shape(x, w[0] * kCols / 2)};
+}
+
+PD_BUILD_OP(fd_w8a8_linear_silu)
+    .Inputs({"X", "Weight", "Scale"})
+    .Outputs({"Out"})
+    .Attrs({"pieces: int64_t", "path: int64_t"})
+    .SetKernelFn(PD_KERNEL(W8a8LinearSilu))
+    .SetInferShapeFn(PD_INFER_SHAPE(W8a8SiluShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(W8a8Dtype));
