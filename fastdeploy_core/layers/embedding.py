@@ -119,11 +119,12 @@ class LMHead(Linear):
         """Each row's argmax of ``self(hidden)`` (first index on ties) as int64 ``[B]``.
 
         A float32 head asks the device's ``greedy_lm_head`` (which may skip most logits); a
-        quantized one computes its logits and takes ``argmax_rows``.
+        quantized one its method's ``apply_argmax`` (the logits and ``argmax_rows``, or one
+        device op for both: a bfloat16 head on AMX tiles).
         """
         ops = current_ops()
         if self.tp_mode is not None:
             return ops.argmax_rows(self(hidden))
         if isinstance(self.quant_method, UnquantizedLinearMethod):
             return ops.greedy_lm_head(hidden, self.weight, self.bias, self.greedy_state)
-        return ops.argmax_rows(self(hidden))
+        return self.quant_method.apply_argmax(self, hidden)

@@ -54,6 +54,11 @@ class LinearMethodBase:
         device has one op for both (its product then never goes through memory) overrides it."""
         return current_ops().silu_and_mul(self.apply(layer, x))
 
+    def apply_argmax(self, layer: Linear, x: paddle.Tensor) -> np.ndarray:
+        """Each row's argmax of ``apply(layer, x)`` (an LM head's greedy tokens; first index on
+        ties, as ``ops.argmax_rows``); a method whose device has one op for both overrides it."""
+        return current_ops().argmax_rows(self.apply(layer, x))
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """Float32 weight ``[in, out]`` (+ optional bias ``[out]``), applied by ``ops.linear``."""

@@ -72,6 +72,9 @@ class QuantizerBase(LinearMethodBase):
     #: (``ops.<fused_silu_op>(x, *op_args, bias)``), which a merged gate/up projection uses when
     #: the ops table has it (:meth:`apply_silu_and_mul`).
     fused_silu_op: ClassVar[str | None] = None
+    #: Name of a device op giving each row's argmax of :attr:`device_op`'s output (an LM head's
+    #: greedy tokens) without the logits (``ops.<fused_argmax_op>(x, *op_args, bias)``).
+    fused_argmax_op: ClassVar[str | None] = None
     #: GGUF tensor types (``"Q8_0"``, ``"Q4_1"``...) :meth:`load_gguf` takes without dequantizing.
     gguf_types: ClassVar[tuple[str, ...]] = ()
     #: Whether the device must declare this method in ``Device.quantization_methods``. A
@@ -422,6 +425,22 @@ class QuantizerBase(LinearMethodBase):
             args = (*self.op_args(layer), layer.bias)
             layer.__dict__["_quant_op_args"] = args
         return fused(x, *args)
+
+    def apply_argmax(self, layer, x: paddle.Tensor) -> np.ndarray:
+        """Each row's argmax of ``apply(layer, x)`` (a head's greedy tokens): the device op
+        :attr:`fused_argmax_op` when this method names one and the ops table has it, else
+        ``ops.argmax_rows`` of the logits."""
+        ops = current_ops()
+        if ops is not self.__dict__.get("_argmax_ops"):
+            self.__dict__["_argmax_ops"] = ops
+            self.__dict__["_argmax_op"] = getattr(ops, self.fused_argmax_op, None) if self.fused_argmax_op else None
+        if self._argmax_op is None:
+            return ops.argmax_rows(self.apply(layer, x))
+        args = layer.__dict__.get("_quant_op_args")
+        if args is None:
+            args = (*self.op_args(layer), layer.bias)
+            layer.__dict__["_quant_op_args"] = args
+        return self._argmax_op(x, *args)
 
     def adopt_device_layout(self, layer, prepare: str, names: tuple[str, ...]) -> bool:
         """Whether the ops table's ``prepare`` method laid the storage tensors ``names`` out for

@@ -11,7 +11,8 @@ Q/K/V, gate/up), tied heads and GGUF tensors fill it like any weight-only method
   (:meth:`~fastdeploy_core.devices.reference_ops.ReferenceOps.bf16_linear`) rounds ``x`` to
   bfloat16 the same way and sums the exact products in float32; the output is float32. A merged
   gate/up projection asks for ``ops.bf16_linear_silu_and_mul`` (the SwiGLU of the product's
-  halves in one op) where the device has it.
+  halves in one op) where the device has it, and a head's greedy tokens
+  ``ops.bf16_linear_argmax`` (no logits).
 
 Everything else the model computes stays float32: the token embedding, norms, rotary,
 attention, softmax, the KV cache, MoE experts (refused for now) and the sampler.
@@ -36,6 +37,7 @@ class BFloat16Linear(QuantizerBase):
     config_class = QuantizerConfig
     device_op = "bf16_linear"
     fused_silu_op = "bf16_linear_silu_and_mul"
+    fused_argmax_op = "bf16_linear_argmax"
     requires_device_support = False  # the dtype check (config.check_dtype) is what asks the device
     #: bfloat16 keeps 8 significant bits: Gaussian layers land ~3e-3 (relative) from float32.
     expected_error = 0.01

@@ -218,6 +218,15 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             return _run("fd_bf16_linear_silu", x, weight, 3)[0]
         return self.silu_and_mul(self.bf16_linear(x, weight, bias))
 
+    def bf16_linear_argmax(self, x, weight, bias=None) -> np.ndarray:
+        """``argmax_rows(bf16_linear(x, weight, bias))`` (a bfloat16 LM head's greedy tokens): in
+        one kernel, ``fd_bf16_linear_argmax``, when this process's bf16 linears multiply in AMX
+        tiles (the logits never go through memory; the same tokens), else the two ops."""
+        if (bias is None and weight.ndim == 4 and x.ndim == 2 and x.dtype == paddle.float32
+                and self.bf16_path == 0 and (self._have_kernels or self._ready()) and self._bf16_tiles()):
+            return _run("fd_bf16_linear_argmax", x, weight, 3)[0].numpy()
+        return self.argmax_rows(self.bf16_linear(x, weight, bias))
+
     def _bf16_tiles(self) -> bool:
         """Whether ``fd_bf16_linear``'s auto path multiplies in AMX tiles in this process."""
         tiles = self.__dict__.get("_bf16_tiles_state")

@@ -329,3 +329,45 @@ def test_ops_fuse_the_swiglu_only_where_the_linears_take_tiles(ops, bias, monkey
     assert called == (["fd_bf16_linear_silu"] if fused else ["fd_bf16_linear", "fd_silu_mul"])
     want = ops.silu_and_mul(ops.bf16_linear(paddle.to_tensor(x), packed, b)).numpy()
     np.testing.assert_array_equal(got, want)
+
+
+# ---- fd_bf16_linear_argmax: a bfloat16 LM head's greedy tokens without the logits ----------------
+
+
+@pytest.mark.parametrize("path", AMX_PATHS)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (5, 576, 4096), (40, 100, 160), (530, 1536, 64)])
+def test_fused_argmax_is_argmax_rows_of_the_linear(ops, path, m, k, n):
+    rng = np.random.default_rng(m + k + n + 3)
+    x, bits = case(rng, m, k, n)
+    # two equal columns (the first, and the last of another tile when n > 32) that hold row 0's
+    # maximum: the first wins
+    bits[:, n // 2] = bfloat16_bits(np.abs(widen(bits[:, n // 2])) + 1.0)
+    bits[:, n - 1] = bits[:, n // 2]
+    x[0] = np.abs(x[0])
+    if m > 2:
+        x[1, 3] = np.nan  # a NaN row: every logit NaN, token 0 (fd_argmax's rule)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+    got = load_kernels().fd_bf16_linear_argmax(paddle.to_tensor(x), packed, path).numpy()
+    logits = ops.bf16_linear(paddle.to_tensor(x), packed, path=path)
+    np.testing.assert_array_equal(got, ops.argmax_rows(logits))
+    assert got[0] == n // 2 and logits.numpy()[0, n - 1] == logits.numpy()[0, n // 2]
+    if m > 2:
+        assert got[1] == 0
+    # the tokens of the tile order's logits (numpy's argmax: first index, on NaN-free rows)
+    want = np.argmax(emulate_tiles(x, bits), axis=1)
+    finite = ~np.isnan(x).any(axis=1)
+    np.testing.assert_array_equal(got[finite], want[finite])
+
+
+def test_ops_take_the_fused_argmax_only_where_the_linears_take_tiles(ops, monkeypatch):
+    import fastdeploy_core.builtin.cpu.ops as cpu_ops
+
+    x, bits = case(np.random.default_rng(21), 7, 576, 1024)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+    called = []
+    run = cpu_ops._run
+    monkeypatch.setattr(cpu_ops, "_run", lambda name, *args: called.append(name) or run(name, *args))
+    got = ops.bf16_linear_argmax(paddle.to_tensor(x), packed)
+    fused = AMX_IN_USE and ops.bf16_path == AUTO
+    assert called == (["fd_bf16_linear_argmax"] if fused else ["fd_bf16_linear", "fd_argmax"])
+    np.testing.assert_array_equal(got, ops.argmax_rows(ops.bf16_linear(paddle.to_tensor(x), packed)))

@@ -315,6 +315,47 @@ void gate_up_silu_amx(const Problem& p, int64_t x_stride) {
   }, fd_kernels::panel_rows_for(x_stride * 4));
 }
 
+// fd_bf16_linear_argmax's loop: out[m] = the index of row m's largest value of x W (the first on
+// ties, NaN as -inf: fd_argmax's rule) without the [M, N] logits going through memory: each
+// item's 32 x 32 blocks of one tile (fd_bf16_linear's amx sums, the same bits) leave the first
+// largest value of each row's 32 columns in best (one per row and tile), and a last pass takes
+// each row's first largest over the tiles. On SmolLM2 the head's 49,152 float32 logits were
+// 12.6 MB written and read again per decode step of 64 rows.
+template <class Tiles>
+void argmax_amx(const Problem& p, int64_t x_stride, int64_t* out) {
+  const int64_t tiles = p.N / kCols;
+  struct Best {
+    float value;
+    int32_t column;
+  };
+  thread_local std::vector<Best> best;
+  best.resize(static_cast<size_t>(p.M * tiles));
+  Best* b = best.data();
+  fd_kernels::run_row_panels(p.M, tiles, [&p, x_stride, tiles, b](int64_t t, int64_t m_begin, int64_t m_end) {
+    fd_amx::tile_rows<Tiles>(fd_amx::Kind::kBf16, p.xb, x_stride, p.w + t * p.K2 * kPairBytes, p.K2, m_begin, m_end,
+                             [&](int64_t m, int64_t rows, const uint32_t (*sums)[fd_amx::kTileCols]) {
+                               for (int64_t r = 0; r < rows; ++r) {
+                                 Best row{-INFINITY, 0};
+                                 for (int32_t c = 0; c < kCols; ++c) {
+                                   float v;
+                                   std::memcpy(&v, &sums[r][c], sizeof(v));
+                                   if (fd_kernels::ordered(v) > row.value) row = {fd_kernels::ordered(v), c};
+                                 }
+                                 b[(m + r) * tiles + t] = row;
+                               }
+                             });
+  }, fd_kernels::panel_rows_for(x_stride * 4));
+  fd_kernels::run_row_chunks<16>(p.M, [=](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const Best* row = b + m * tiles;
+      int64_t top = 0;
+      for (int64_t t = 1; t < tiles; ++t)
+        if (row[t].value > row[top].value) top = t;
+      out[m] = top * kCols + row[top].column;
+    }
+  });
+}
+
 void gemm(const Problem& p, bool dot) {
 #if !defined(__AVX512F__)
   if (!dot && p.M > kWidenOnceRows) return gemm_widened_once(p);
@@ -527,3 +568,38 @@ PD_BUILD_OP(fd_bf16_linear_silu)
     .SetKernelFn(PD_KERNEL(Bf16LinearSilu))
     .SetInferShapeFn(PD_INFER_SHAPE(Bf16SiluShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(Bf16Dtype));
+
+// Each row's argmax of x W (first index on ties, NaN as -inf: fd_argmax of fd_bf16_linear's
+// output, the same tokens) through AMX tiles, without the logits: `path` 3 the instructions, 4
+// their software model. int64 [M].
+std::vector<paddle::Tensor> Bf16LinearArgmax(const paddle::Tensor& x_in, const paddle::Tensor& weight, int64_t path) {
+  PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32 && x_in.shape().size() == 2, "x must be float32 [M, K]");
+  PD_CHECK(weight.dtype() == paddle::DataType::BFLOAT16, "weight must be bfloat16");
+  const auto& ws = weight.shape();
+  PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == 2, "weight must be packed [N / 32, K2, 32, 2]");
+  PD_CHECK(path == kAmx || path == kAmxModel, "path must be 3 (amx) or 4 (amx on the tile model), got ", path);
+  PD_CHECK(path != kAmx || fd_amx::amx_permitted(fd_amx::Kind::kBf16),
+           "the amx path needs AMX-BF16 tiles granted by the OS, which this CPU or kernel does not have");
+  const int64_t K2 = ws[1], N = ws[0] * kCols, K = x_in.shape()[1], M = x_in.shape()[0];
+  PD_CHECK(K == 2 * K2 || K == 2 * K2 - 1, "x's last axis (", K, ") does not fit the weight's ", K2, " k pairs");
+  PD_CHECK(N < (int64_t{1} << 31), "more than 2^31 columns");
+  auto out = paddle::empty({M}, paddle::DataType::INT64, paddle::CPUPlace());
+  const paddle::Tensor x = x_in.contiguous();
+  const int64_t stride = fd_amx::padded_groups(K2);
+  const uint32_t* xb = rounded_rows(x.data<float>(), M, K, K2, fd_amx::padded_rows(M), stride);
+  const Problem p{xb, static_cast<const uint8_t*>(weight.data()), nullptr, M, K2, N};
+  if (M > 0) {
+#if defined(__x86_64__)
+    if (path == kAmx) argmax_amx<fd_amx::HardwareTiles>(p, stride, out.data<int64_t>());
+    else
+#endif
+      argmax_amx<fd_amx::ModelTiles>(p, stride, out.data<int64_t>());
+  }
+  return {out};
+}
+
+PD_BUILD_OP(fd_bf16_linear_argmax)
+    .Inputs({"X", "Weight"})
+    .Outputs({"Tokens"})
+    .Attrs({"path: int64_t"})
+    .SetKernelFn(PD_KERNEL(Bf16LinearArgmax));
