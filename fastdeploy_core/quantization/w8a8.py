@@ -34,6 +34,7 @@ class W8A8(WeightOnlyInt8):
     expected_error = 0.03
     device_op = "w8a8_linear"
     fused_silu_op = "w8a8_linear_silu_and_mul"
+    fused_argmax_op = "w8a8_linear_argmax"
     device_layout = "prepare_w8a8_weights"
     #: its experts would need the int8-activation formula, which fused_moe does not have
     quantizes_experts = False

@@ -98,6 +98,7 @@ class WeightOnlyInt8(QuantizerBase):
     config_class = WeightOnlyInt8Config
     device_op = "wint8_linear"
     fused_silu_op = "wint8_linear_silu_and_mul"
+    fused_argmax_op = "wint8_linear_argmax"
     gguf_types: ClassVar[tuple[str, ...]] = ("Q8_0",)
     act_int8: ClassVar[bool] = False
     quantizes_experts = True

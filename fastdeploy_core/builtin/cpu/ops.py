@@ -89,10 +89,25 @@ class CpuQuantOps:
             return _run("fd_w8a8_linear_silu", x, weight, scale, 1, 2)[0]
         return self.silu_and_mul(self.w8a8_linear(x, weight, scale, group_size, bias))
 
-    def _int8_tiles_take(self, x, weight, bias) -> bool:
+    def wint8_linear_argmax(self, x, weight, scale, group_size: int, bias=None) -> np.ndarray:
+        """``argmax_rows(wint8_linear(...))`` (a head's greedy tokens): one kernel,
+        ``fd_w8a8_linear_argmax``, where the step takes AMX-INT8 tiles, else the two ops."""
+        if self._int8_tiles_take(x, weight, bias, halves=False) and x.ndim == 2:
+            return _run("fd_w8a8_linear_argmax", x, weight, scale, 2, 2)[0].numpy()
+        return self.argmax_rows(self.wint8_linear(x, weight, scale, group_size, bias))
+
+    def w8a8_linear_argmax(self, x, weight, scale, group_size: int, bias=None) -> np.ndarray:
+        """``argmax_rows(w8a8_linear(...))``: one kernel where the step takes AMX-INT8 tiles (the
+        same tokens: exact integer sums, fd_argmax's rule), else the two ops."""
+        if self._int8_tiles_take(x, weight, bias, halves=False) and x.ndim == 2:
+            return _run("fd_w8a8_linear_argmax", x, weight, scale, 1, 2)[0].numpy()
+        return self.argmax_rows(self.w8a8_linear(x, weight, scale, group_size, bias))
+
+    def _int8_tiles_take(self, x, weight, bias, halves: bool = True) -> bool:
         """Whether ``fd_w8a8_linear``'s auto path would take AMX-INT8 tiles for ``x`` (16 rows or
-        more, tiles granted and checked) on a quad-packed ``weight`` of whole gate/up halves."""
-        if bias is not None or weight.ndim != 4 or weight.shape[0] % 2 or x.dtype != paddle.float32:
+        more, tiles granted and checked) on a quad-packed ``weight`` (``halves``: of whole gate /
+        up halves)."""
+        if bias is not None or weight.ndim != 4 or (halves and weight.shape[0] % 2) or x.dtype != paddle.float32:
             return False
         if self.int8_tiles_path != 0 or x.ndim < 1 or int(np.prod(x.shape[:-1])) < 16:
             return False

@@ -326,3 +326,44 @@ def test_ops_fuse_the_swiglu_only_where_the_step_takes_int8_tiles(method, rows, 
     assert called == (["fd_w8a8_linear_silu"] if fused else ["fd_w8a8_linear", "fd_silu_mul"])
     linear = getattr(ops, f"{method}_linear")(x, weight, scale, 576)
     np.testing.assert_array_equal(got, ops.silu_and_mul(linear).numpy())
+
+
+@pytest.mark.parametrize("path", TILE_PATHS)
+@pytest.mark.parametrize("pieces", [1, 2])
+@pytest.mark.parametrize("rows", [16, 45, 530])
+def test_fused_argmax_is_argmax_rows_of_the_linear(path, pieces, rows, cpu_kernels):
+    K, N = 576, 1024
+    rng = np.random.default_rng(rows + pieces)
+    q = rng.integers(-127, 128, (K, N)).astype(np.int8)
+    q[:, N - 1] = q[:, 40] = np.abs(q[:, 40]).astype(np.int8)  # equal columns, row 0's maximum: the first wins
+    ws = np.full(N, 0.01, np.float32)
+    x = gaussian(rng, (rows, K))
+    x[0] = np.abs(x[0])
+    x[1] = 0.0  # a zero row: every output 0, token 0
+    args = (paddle.to_tensor(x), pack_int8_quad_tiles(paddle.to_tensor(q)), paddle.to_tensor(ws.reshape(1, N)), pieces)
+    got = cpu_kernels.fd_w8a8_linear_argmax(*args, path).numpy()
+    np.testing.assert_array_equal(got, cpu_kernels.fd_argmax(cpu_kernels.fd_w8a8_linear(*args, VECTOR)).numpy())
+    assert got[0] == 40 and got[1] == 0
+
+
+@pytest.mark.parametrize("method", ["w8a8", "wint8"])
+@pytest.mark.parametrize("rows", [3, 40])
+def test_ops_take_the_fused_argmax_only_where_the_step_takes_int8_tiles(method, rows, monkeypatch, cpu_kernels):
+    import fastdeploy_core.builtin.cpu.ops as cpu_ops
+
+    ops = CpuOps()
+    rng = np.random.default_rng(rows + 1)
+    codes = quantize_int8(gaussian(rng, (576, 1024)), 576)
+    prepared = (ops.prepare_w8a8_weights if method == "w8a8" else ops.prepare_wint8_weights)(
+        paddle.to_tensor(codes["weight"]), paddle.to_tensor(codes["weight_scale"]))
+    if prepared is None:
+        pytest.skip("no integer dot products here: the int8 layers keep float32 products")
+    weight, scale = prepared
+    x = paddle.to_tensor(gaussian(rng, (rows, 576)))
+    called = []
+    run = cpu_ops._run
+    monkeypatch.setattr(cpu_ops, "_run", lambda name, *args: called.append(name) or run(name, *args))
+    got = getattr(ops, f"{method}_linear_argmax")(x, weight, scale, 576)
+    fused = rows >= 16 and amx_state() == 1 and ops.int8_tiles_path == AUTO
+    assert called == (["fd_w8a8_linear_argmax"] if fused else ["fd_w8a8_linear", "fd_argmax"])
+    np.testing.assert_array_equal(got, ops.argmax_rows(getattr(ops, f"{method}_linear")(x, weight, scale, 576)))

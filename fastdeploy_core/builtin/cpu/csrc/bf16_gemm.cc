@@ -64,6 +64,7 @@
 #include "paddle/extension.h"
 #include "row_panels.h"
 #include "thread_pool.h"
+#include "tile_argmax.h"
 #include "vector_math.h"
 
 namespace {
@@ -318,42 +319,24 @@ void gate_up_silu_amx(const Problem& p, int64_t x_stride) {
 // fd_bf16_linear_argmax's loop: out[m] = the index of row m's largest value of x W (the first on
 // ties, NaN as -inf: fd_argmax's rule) without the [M, N] logits going through memory: each
 // item's 32 x 32 blocks of one tile (fd_bf16_linear's amx sums, the same bits) leave the first
-// largest value of each row's 32 columns in best (one per row and tile), and a last pass takes
-// each row's first largest over the tiles. On SmolLM2 the head's 49,152 float32 logits were
+// largest value of each row's 32 columns in a table (tile_argmax.h), and a last pass takes each
+// row's first largest over the tiles. On SmolLM2 the head's 49,152 float32 logits were
 // 12.6 MB written and read again per decode step of 64 rows.
 template <class Tiles>
 void argmax_amx(const Problem& p, int64_t x_stride, int64_t* out) {
   const int64_t tiles = p.N / kCols;
-  struct Best {
-    float value;
-    int32_t column;
-  };
-  thread_local std::vector<Best> best;
-  best.resize(static_cast<size_t>(p.M * tiles));
-  Best* b = best.data();
-  fd_kernels::run_row_panels(p.M, tiles, [&p, x_stride, tiles, b](int64_t t, int64_t m_begin, int64_t m_end) {
+  fd_kernels::ColumnBest* best = fd_kernels::tile_best_table(p.M, tiles);
+  fd_kernels::run_row_panels(p.M, tiles, [&p, x_stride, tiles, best](int64_t t, int64_t m_begin, int64_t m_end) {
     fd_amx::tile_rows<Tiles>(fd_amx::Kind::kBf16, p.xb, x_stride, p.w + t * p.K2 * kPairBytes, p.K2, m_begin, m_end,
                              [&](int64_t m, int64_t rows, const uint32_t (*sums)[fd_amx::kTileCols]) {
+                               float v[kCols];
                                for (int64_t r = 0; r < rows; ++r) {
-                                 Best row{-INFINITY, 0};
-                                 for (int32_t c = 0; c < kCols; ++c) {
-                                   float v;
-                                   std::memcpy(&v, &sums[r][c], sizeof(v));
-                                   if (fd_kernels::ordered(v) > row.value) row = {fd_kernels::ordered(v), c};
-                                 }
-                                 b[(m + r) * tiles + t] = row;
+                                 std::memcpy(v, sums[r], sizeof(v));
+                                 best[(m + r) * tiles + t] = fd_kernels::first_largest(v, kCols);
                                }
                              });
   }, fd_kernels::panel_rows_for(x_stride * 4));
-  fd_kernels::run_row_chunks<16>(p.M, [=](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const Best* row = b + m * tiles;
-      int64_t top = 0;
-      for (int64_t t = 1; t < tiles; ++t)
-        if (row[t].value > row[top].value) top = t;
-      out[m] = top * kCols + row[top].column;
-    }
-  });
+  fd_kernels::argmax_over_tiles(best, p.M, tiles, kCols, out);
 }
 
 void gemm(const Problem& p, bool dot) {

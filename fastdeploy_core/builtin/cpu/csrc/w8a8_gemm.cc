@@ -56,6 +56,7 @@
 #include "int8_dot.h"
 #include "paddle/extension.h"
 #include "row_panels.h"
+#include "tile_argmax.h"
 #include "vector_math.h"
 
 namespace {
@@ -318,6 +319,23 @@ void gate_up_silu_amx(const Problem& p) {
   }, panel_rows);
 }
 
+// fd_w8a8_linear_argmax's loop: each row's argmax of the product (tile_argmax.h: fd_argmax's
+// rule) from each item's outputs in a panel buffer of the thread, without the [M, N] output
+// going through memory (a w8a8 LM head's greedy tokens).
+template <class Tiles, int PIECES>
+void argmax_amx(const Problem& p, int64_t* out) {
+  const int64_t panel_rows = fd_kernels::panel_rows_for(PIECES * p.x_stride), tiles = p.N / kCols;
+  fd_kernels::ColumnBest* best = fd_kernels::tile_best_table(p.M, tiles);
+  fd_kernels::run_row_panels(p.M, tiles, [&](int64_t t, int64_t m_begin, int64_t m_end) {
+    thread_local fd_amx::TileBuffer<float> values;
+    values.resize(static_cast<size_t>(panel_rows * kCols));
+    tile_outputs<Tiles, PIECES>(p, panel_rows, t, m_begin, m_end, values.data(), kCols);
+    for (int64_t m = m_begin; m < m_end; ++m)
+      best[m * tiles + t] = fd_kernels::first_largest(values.data() + (m - m_begin) * kCols, kCols);
+  }, panel_rows);
+  fd_kernels::argmax_over_tiles(best, p.M, tiles, kCols, out);
+}
+
 // The tiles' sums of a small problem (20 rows: a tile and a part; K = 80: a tile of 16 quads and
 // a tail of 4) against the exact integer sums (fd_amx::checked_state runs it in a forked child).
 template <class Tiles>
@@ -492,3 +510,48 @@ PD_BUILD_OP(fd_w8a8_linear_silu)
     .SetKernelFn(PD_KERNEL(W8a8LinearSilu))
     .SetInferShapeFn(PD_INFER_SHAPE(W8a8SiluShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(W8a8Dtype));
+
+// Each row's argmax of fd_w8a8_linear's output (first index on ties, NaN as -inf: fd_argmax's
+// rule, the same tokens) on AMX-INT8 tiles, without the output: `path` 2 the instructions, 3
+// their software model. int64 [M].
+std::vector<paddle::Tensor> W8a8LinearArgmax(const paddle::Tensor& x_in, const paddle::Tensor& weight,
+                                             const paddle::Tensor& scale, int64_t pieces, int64_t path) {
+  PD_CHECK(pieces == 1 || pieces == 2, "pieces must be 1 (int8 activations) or 2 (16-bit), got ", pieces);
+  PD_CHECK(path == kAmx || path == kAmxModel, "path must be 2 (amx) or 3 (amx on the tile model), got ", path);
+  PD_CHECK(path != kAmx || fd_amx::amx_permitted(fd_amx::Kind::kInt8),
+           "the amx path needs AMX-INT8 tiles granted by the OS, which this CPU or kernel does not have");
+  PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32 && x_in.shape().size() == 2, "x must be float32 [M, K]");
+  PD_CHECK(weight.dtype() == paddle::DataType::INT8, "weight must be int8");
+  const auto& ws = weight.shape();
+  PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == kQuad, "weight must be packed [N / 32, K / 4, 32, 4]");
+  const int64_t K = ws[1] * kQuad, N = ws[0] * kCols, M = x_in.shape()[0];
+  PD_CHECK(x_in.shape()[1] == K, "x's last axis (", x_in.shape()[1], ") must equal the weight's K (", K, ")");
+  PD_CHECK(scale.dtype() == paddle::DataType::FLOAT32 && scale.numel() == N,
+           "scale must be float32 with one value per output channel (", N, ")");
+  PD_CHECK(N < (int64_t{1} << 31), "more than 2^31 columns");
+  auto out = paddle::empty({M}, paddle::DataType::INT64, paddle::CPUPlace());
+  const paddle::Tensor x = x_in.contiguous();
+  thread_local Rows rows;
+  quantize_rows(x.data<float>(), M, K, static_cast<int>(pieces), true, &rows);
+  const Problem p{rows.q.data(), rows.bias.data(), rows.scale.data(), static_cast<const int8_t*>(weight.data()),
+                  scale.data<float>(), nullptr, M, K, N, rows.rows, rows.stride};
+  int64_t* tokens = out.data<int64_t>();
+  if (M > 0) {
+#if defined(__x86_64__)
+    if (path == kAmx) {
+      if (pieces == 1) argmax_amx<fd_amx::HardwareTiles, 1>(p, tokens);
+      else argmax_amx<fd_amx::HardwareTiles, 2>(p, tokens);
+      return {out};
+    }
+#endif
+    if (pieces == 1) argmax_amx<fd_amx::ModelTiles, 1>(p, tokens);
+    else argmax_amx<fd_amx::ModelTiles, 2>(p, tokens);
+  }
+  return {out};
+}
+
+PD_BUILD_OP(fd_w8a8_linear_argmax)
+    .Inputs({"X", "Weight", "Scale"})
+    .Outputs({"Tokens"})
+    .Attrs({"pieces: int64_t", "path: int64_t"})
+    .SetKernelFn(PD_KERNEL(W8a8LinearArgmax));
