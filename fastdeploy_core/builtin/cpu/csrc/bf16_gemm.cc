@@ -267,10 +267,12 @@ void gemm_widened_once(const Problem& p) {
 // up to 16, K2 rounded up to 16] pairs, zero past x (fd_amx::tile_rows reads whole tiles).
 template <class Tiles>
 void gemm_amx(const Problem& p, int64_t x_stride) {
-  fd_kernels::run_row_panels(p.M, p.N / kCols, [&p, x_stride](int64_t t, int64_t m_begin, int64_t m_end) {
-    fd_amx::tile_rows_into<Tiles>(fd_amx::Kind::kBf16, p.xb, x_stride, p.w + t * p.K2 * kPairBytes, p.K2, m_begin,
-                                  m_end, p.y + t * kCols, p.N);
-  }, fd_kernels::panel_rows_for(x_stride * 4));
+  fd_kernels::run_tile_groups(p.M, p.N / kCols, fd_kernels::panel_rows_for(x_stride * 4),
+                              [&p, x_stride](int64_t t_begin, int64_t t_end, int64_t m_begin, int64_t m_end) {
+                                fd_amx::tile_group_rows_into<Tiles>(
+                                    fd_amx::Kind::kBf16, p.xb, x_stride, p.w + t_begin * p.K2 * kPairBytes,
+                                    p.K2 * kPairBytes, p.K2, t_end - t_begin, m_begin, m_end, p.y + t_begin * kCols, p.N);
+                              });
 }
 
 // fd_bf16_linear on x [M, K] through the amx loop (Tiles) into y.
@@ -282,60 +284,78 @@ void linear_amx(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K
 }
 
 // fd_bf16_linear_silu's loop: p.y [M, N / 2] = silu(gate) * up, gate and up the two halves of the
-// [M, N] product (columns [0, N / 2) and [N / 2, N)), each item's rows of gate tile t and up tile
-// t + N / 64 in blocks of 32: both blocks' sums into L1 buffers, then the SwiGLU of the pair into
-// y's lines, claimed while the tiles multiply. The sums are fd_bf16_linear's amx path's (the tile
+// [M, N] product (columns [0, N / 2) and [N / 2, N)), each item's group of tiles (run_tile_groups)
+// one block of 32 rows at a time, for each tile t of the group gate tile t and up tile t + N / 64:
+// both blocks' sums into L1 buffers, then the SwiGLU of the pair into y's lines, claimed while
+// the tiles multiply. The sums are fd_bf16_linear's amx path's (the tile
 // order depends on K alone) and the epilogue is fd_silu_mul's formula, so the result is that of
 // the two ops bit for bit, without the [M, N] product going through memory: on a Xeon with AMX
 // a 512-row [576, 3072] gate/up projection wrote 6 MB of it and fd_silu_mul read it back.
 template <class Tiles>
 void gate_up_silu_amx(const Problem& p, int64_t x_stride) {
-  const int64_t half = p.N / kCols / 2, I = p.N / 2;
-  fd_kernels::run_row_panels(p.M, half, [&p, x_stride, half, I](int64_t t, int64_t m_begin, int64_t m_end) {
-    alignas(64) uint8_t tail_g[fd_amx::kTileGroups * fd_amx::kGroupBytes], tail_u[fd_amx::kTileGroups * fd_amx::kGroupBytes];
-    alignas(64) float g[fd_amx::kBlockRows][kCols], u[fd_amx::kBlockRows][kCols];
-    const uint8_t* wg = p.w + t * p.K2 * kPairBytes;
-    const uint8_t* wu = p.w + (t + half) * p.K2 * kPairBytes;
-    fd_amx::TileOperands gate{nullptr, x_stride, wg, p.K2, fd_amx::padded_tail(wg, p.K2, tail_g)};
-    fd_amx::TileOperands up{nullptr, x_stride, wu, p.K2, fd_amx::padded_tail(wu, p.K2, tail_u)};
-    fd_amx::TileScope<Tiles> scope;
-    for (int64_t m = m_begin; m < m_end; m += fd_amx::kBlockRows) {
-      const int64_t rows = std::min<int64_t>(fd_amx::kBlockRows, m_end - m);
-      float* ym = p.y + m * I + t * kCols;
-      for (int64_t r = 0; r < rows; ++r) {  // y's lines asked for now, written after both products
-        __builtin_prefetch(ym + r * I, 1, 3);
-        __builtin_prefetch(ym + r * I + 16, 1, 3);
+  const int64_t half = p.N / kCols / 2, I = p.N / 2, tile_bytes = p.K2 * kPairBytes;
+  const bool tail = p.K2 % fd_amx::kTileGroups != 0;
+  fd_kernels::run_tile_groups(p.M, half, fd_kernels::panel_rows_for(x_stride * 4),
+                              [&](int64_t t_begin, int64_t t_end, int64_t m_begin, int64_t m_end) {
+    constexpr int64_t kTail = fd_amx::kTileGroups * fd_amx::kGroupBytes;
+    thread_local fd_amx::TileBuffer<uint8_t> tails;  // each gate and up tile's padded_tail copy
+    if (tail) {
+      tails.resize(static_cast<size_t>(2 * (t_end - t_begin) * kTail));
+      for (int64_t t = t_begin; t < t_end; ++t) {
+        fd_amx::padded_tail(p.w + t * tile_bytes, p.K2, tails.data() + 2 * (t - t_begin) * kTail);
+        fd_amx::padded_tail(p.w + (t + half) * tile_bytes, p.K2, tails.data() + (2 * (t - t_begin) + 1) * kTail);
       }
-      gate.a = up.a = p.xb + m * x_stride;
-      fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, gate, rows, reinterpret_cast<uint8_t*>(&g[0][0]), kCols * 4, false);
-      fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, up, rows, reinterpret_cast<uint8_t*>(&u[0][0]), kCols * 4, false);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t h = 0; h < kCols; h += 16)
-          fd_kernels::store16(ym + r * I + h, fd_kernels::silu_mul16(fd_kernels::load16(g[r] + h), fd_kernels::load16(u[r] + h)));
     }
-  }, fd_kernels::panel_rows_for(x_stride * 4));
+    alignas(64) float g[fd_amx::kBlockRows][kCols], u[fd_amx::kBlockRows][kCols];
+    fd_amx::TileScope<Tiles> scope;
+    for (int64_t m = m_begin; m < m_end; m += fd_amx::kBlockRows) {  // a block of rows across the group's tiles
+      const int64_t rows = std::min<int64_t>(fd_amx::kBlockRows, m_end - m);
+      for (int64_t t = t_begin; t < t_end; ++t) {
+        float* ym = p.y + m * I + t * kCols;
+        for (int64_t r = 0; r < rows; ++r) {  // y's lines asked for now, written after both products
+          __builtin_prefetch(ym + r * I, 1, 3);
+          __builtin_prefetch(ym + r * I + 16, 1, 3);
+        }
+        const uint8_t* tg = tail ? tails.data() + 2 * (t - t_begin) * kTail : nullptr;
+        const fd_amx::TileOperands gate{p.xb + m * x_stride, x_stride, p.w + t * tile_bytes, p.K2, tg};
+        const fd_amx::TileOperands up{p.xb + m * x_stride, x_stride, p.w + (t + half) * tile_bytes, p.K2,
+                                      tail ? tg + kTail : nullptr};
+        fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, gate, rows, reinterpret_cast<uint8_t*>(&g[0][0]), kCols * 4, false);
+        fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, up, rows, reinterpret_cast<uint8_t*>(&u[0][0]), kCols * 4, false);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t h = 0; h < kCols; h += 16)
+            fd_kernels::store16(ym + r * I + h, fd_kernels::silu_mul16(fd_kernels::load16(g[r] + h), fd_kernels::load16(u[r] + h)));
+      }
+    }
+  });
 }
 
 // fd_bf16_linear_argmax's loop: out[m] = the index of row m's largest value of x W (the first on
 // ties, NaN as -inf: fd_argmax's rule) without the [M, N] logits going through memory: each
-// item's 32 x 32 blocks of one tile (fd_bf16_linear's amx sums, the same bits) leave the first
-// largest value of each row's 32 columns in a table (tile_argmax.h), and a last pass takes each
-// row's first largest over the tiles. On SmolLM2 the head's 49,152 float32 logits were
+// block of 32 x 32 sums of a group's tiles (fd_bf16_linear's amx sums, the same bits) leaves the
+// first largest value of each row's 32 columns in a table (tile_argmax.h), and a last pass takes
+// each row's first largest over the tiles. On SmolLM2 the head's 49,152 float32 logits were
 // 12.6 MB written and read again per decode step of 64 rows.
 template <class Tiles>
 void argmax_amx(const Problem& p, int64_t x_stride, int64_t* out) {
-  const int64_t tiles = p.N / kCols;
+  const int64_t tiles = p.N / kCols, tile_bytes = p.K2 * kPairBytes;
   fd_kernels::ColumnBest* best = fd_kernels::tile_best_table(p.M, tiles);
-  fd_kernels::run_row_panels(p.M, tiles, [&p, x_stride, tiles, best](int64_t t, int64_t m_begin, int64_t m_end) {
-    fd_amx::tile_rows<Tiles>(fd_amx::Kind::kBf16, p.xb, x_stride, p.w + t * p.K2 * kPairBytes, p.K2, m_begin, m_end,
-                             [&](int64_t m, int64_t rows, const uint32_t (*sums)[fd_amx::kTileCols]) {
-                               float v[kCols];
-                               for (int64_t r = 0; r < rows; ++r) {
-                                 std::memcpy(v, sums[r], sizeof(v));
-                                 best[(m + r) * tiles + t] = fd_kernels::first_largest(v, kCols);
-                               }
-                             });
-  }, fd_kernels::panel_rows_for(x_stride * 4));
+  fd_kernels::run_tile_groups(p.M, tiles, fd_kernels::panel_rows_for(x_stride * 4),
+                              [&](int64_t t_begin, int64_t t_end, int64_t m_begin, int64_t m_end) {
+    alignas(64) uint8_t tail[fd_amx::kTileGroups * fd_amx::kGroupBytes];
+    alignas(64) float sums[fd_amx::kBlockRows][kCols];
+    fd_amx::TileScope<Tiles> scope;
+    for (int64_t m = m_begin; m < m_end; m += fd_amx::kBlockRows) {
+      const int64_t rows = std::min<int64_t>(fd_amx::kBlockRows, m_end - m);
+      for (int64_t t = t_begin; t < t_end; ++t) {
+        const uint8_t* w = p.w + t * tile_bytes;
+        const fd_amx::TileOperands op{p.xb + m * x_stride, x_stride, w, p.K2, fd_amx::padded_tail(w, p.K2, tail)};
+        fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, op, rows, reinterpret_cast<uint8_t*>(&sums[0][0]), kCols * 4,
+                                       false);
+        for (int64_t r = 0; r < rows; ++r) best[(m + r) * tiles + t] = fd_kernels::first_largest(sums[r], kCols);
+      }
+    }
+  });
   fd_kernels::argmax_over_tiles(best, p.M, tiles, kCols, out);
 }
 
@@ -394,9 +414,9 @@ bool tiles_agree_with_widen(float* worst) {
   fd_amx::TileBuffer<uint32_t> xp(fd_amx::padded_rows(M) * stride, 0u);
   round_rows(x.data(), M, K, K2, xp.data(), stride);
   const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.data());
-  for (int64_t t = 0; t < N / kCols; ++t)  // gemm_amx's calls, without its pool (a forked child has no workers)
-    fd_amx::tile_rows_into<Tiles>(fd_amx::Kind::kBf16, xp.data(), stride, wb + t * K2 * kPairBytes, K2, 0, M,
-                                  tiles.data() + t * kCols, N);
+  // gemm_amx's call for all the tiles at once, without its pool (a forked child has no workers)
+  fd_amx::tile_group_rows_into<Tiles>(fd_amx::Kind::kBf16, xp.data(), stride, wb, K2 * kPairBytes, K2, N / kCols, 0, M,
+                                      tiles.data(), N);
   bool agree = true;
   *worst = 0.f;
   for (int64_t i = 0; i < M * N; ++i) {

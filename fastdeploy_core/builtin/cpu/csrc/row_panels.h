@@ -101,4 +101,37 @@ inline void run_row_panels(int64_t M, int64_t tiles, const TileRows& tile_rows, 
       &s);
 }
 
+// group_rows(t_begin, t_end, m_begin, m_end) for the tiles in groups and the M rows in panels of
+// panel_rows, on the pool. Groups of up to kMaxGroupTiles tiles whose weights a panel's row
+// blocks reuse from L2 (fd_amx::tile_group_rows_into); their count the smallest that divides
+// the tiles evenly, gives every thread the same number of items and at least two items per
+// thread (one tile per item when none does).
+constexpr int64_t kMaxGroupTiles = 16;
+
+template <class GroupRows>
+inline void run_tile_groups(int64_t M, int64_t tiles, int64_t panel_rows, const GroupRows& group_rows) {
+  struct Split {
+    const GroupRows* group_rows;
+    int64_t M, tiles, panel_rows, groups, per_group;
+  };
+  const int64_t panels = std::max<int64_t>(1, (M + panel_rows - 1) / panel_rows);
+  const int64_t threads = Pool::instance().threads();
+  int64_t groups = tiles;
+  for (int64_t g = std::max<int64_t>(1, (tiles + kMaxGroupTiles - 1) / kMaxGroupTiles); g <= tiles; ++g)
+    if (tiles % g == 0 && (panels * g) % threads == 0 && panels * g >= 2 * threads) {
+      groups = g;
+      break;
+    }
+  Split s{&group_rows, M, tiles, panel_rows, groups, tiles / groups};
+  Pool::instance().run(
+      panels * groups,
+      [](void* ctx, int64_t c) {
+        const Split& j = *static_cast<const Split*>(ctx);
+        const int64_t panel = c / j.groups, g = c % j.groups;
+        const int64_t m_begin = panel * j.panel_rows, m_end = std::min(j.M, m_begin + j.panel_rows);
+        (*j.group_rows)(g * j.per_group, std::min(j.tiles, (g + 1) * j.per_group), m_begin, m_end);
+      },
+      &s);
+}
+
 }  // namespace fd_kernels
