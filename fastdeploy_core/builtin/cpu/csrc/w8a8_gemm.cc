@@ -255,84 +255,85 @@ void gemm(const Problem& p) {
 enum Path : int64_t { kAuto = 0, kVector = 1, kAmx = 2, kAmxModel = 3 };
 constexpr int64_t kAmxMinRows = fd_amx::kTileRows;  // the auto path's tiles: calls of a full A tile or more
 
-// The amx path's outputs of tile t for rows [m_begin, m_end) (at most a panel) into out (row m at
-// out + (m - m_begin) * out_stride): the rows through tiles, piece by piece (quantize_rows laid
-// the codes out for tiles); the sums of two pieces meet in the same epilogue as the vector
-// path's (float(hi) * 256 + float(lo), fused).
+// The amx path's outputs of tile t for the block of `rows` (<= 32) rows from m into out (row m + r
+// at out + r * out_stride): the rows through tiles, piece by piece (quantize_rows laid the codes
+// out for tiles); the sums of two pieces meet in the same epilogue as the vector path's
+// (float(hi) * 256 + float(lo), fused). The caller holds a TileScope.
 template <class Tiles, int PIECES>
-void tile_outputs(const Problem& p, int64_t panel_rows, int64_t t, int64_t m_begin, int64_t m_end, float* out,
-                  int64_t out_stride) {
-  const int64_t a_stride = p.x_stride / kQuad;
-  auto piece = [&p](int q) { return reinterpret_cast<const uint32_t*>(p.xq + q * p.x_rows * p.x_stride); };
-  const auto* wt = reinterpret_cast<const uint8_t*>(p.w + t * (p.K / kQuad) * kQuadBytes);
+void block_outputs(const Problem& p, int64_t t, int64_t m, int64_t rows, float* out, int64_t out_stride) {
+  const int64_t a_stride = p.x_stride / kQuad, quads = p.K / kQuad;
+  const auto* wt = reinterpret_cast<const uint8_t*>(p.w + t * quads * kQuadBytes);
   const float* ws = p.ws + t * kCols;
-  thread_local std::vector<int32_t> high_rows;  // the high piece's sums of the panel's rows
-  if constexpr (PIECES == 2) high_rows.resize(static_cast<size_t>(panel_rows * kCols));
-  auto high = reinterpret_cast<int32_t (*)[kCols]>(high_rows.data());
-  if constexpr (PIECES == 2)
-    fd_amx::tile_rows<Tiles>(fd_amx::Kind::kInt8, piece(0), a_stride, wt, p.K / kQuad, m_begin, m_end,
-                             [&](int64_t m, int64_t rows, const uint32_t (*sums)[fd_amx::kTileCols]) {
-                               std::memcpy(high[m - m_begin], sums, rows * kCols * sizeof(int32_t));
-                             });
-  fd_amx::tile_rows<Tiles>(
-      fd_amx::Kind::kInt8, piece(PIECES - 1), a_stride, wt, p.K / kQuad, m_begin, m_end,
-      [&](int64_t m, int64_t rows, const uint32_t (*sums)[fd_amx::kTileCols]) {
-        for (int64_t r = 0; r < rows; ++r) {
-          float* yr = out + (m + r - m_begin) * out_stride;
-          const float xs = p.xs[m + r];
-          for (int64_t n = 0; n < kCols; ++n) {
-            float v = static_cast<float>(static_cast<int32_t>(sums[r][n]));
-            if constexpr (PIECES == 2) v = std::fma(static_cast<float>(high[m - m_begin + r][n]), 256.f, v);
-            yr[n] = (v * ws[n]) * xs;
-          }
-        }
-      });
+  alignas(64) uint8_t tail[fd_amx::kTileGroups * fd_amx::kGroupBytes];
+  alignas(64) int32_t sums[PIECES][fd_amx::kBlockRows][kCols];
+  fd_amx::TileOperands op{nullptr, a_stride, wt, quads, fd_amx::padded_tail(wt, quads, tail)};
+  for (int q = 0; q < PIECES; ++q) {
+    op.a = reinterpret_cast<const uint32_t*>(p.xq + q * p.x_rows * p.x_stride) + m * a_stride;
+    fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kInt8, op, rows, reinterpret_cast<uint8_t*>(&sums[q][0][0]), kCols * 4,
+                                   false);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* yr = out + r * out_stride;
+    const float xs = p.xs[m + r];
+    for (int64_t n = 0; n < kCols; ++n) {
+      float v = static_cast<float>(sums[PIECES - 1][r][n]);
+      if constexpr (PIECES == 2) v = std::fma(static_cast<float>(sums[0][r][n]), 256.f, v);
+      yr[n] = (v * ws[n]) * xs;
+    }
+  }
+}
+
+// block(m, rows, t) for each block of 32 rows of each item's panel, across the item's group of
+// tiles (run_tile_groups): a block's codes stay in L1 across the group's tiles, the group's
+// weights in L2 across the blocks, under one TileScope per item.
+template <class Tiles, int PIECES, class Block>
+void run_blocks(const Problem& p, int64_t tiles, const Block& block) {
+  fd_kernels::run_tile_groups(p.M, tiles, fd_kernels::panel_rows_for(PIECES * p.x_stride),
+                              [&](int64_t t_begin, int64_t t_end, int64_t m_begin, int64_t m_end) {
+                                fd_amx::TileScope<Tiles> scope;
+                                for (int64_t m = m_begin; m < m_end; m += fd_amx::kBlockRows)
+                                  for (int64_t t = t_begin; t < t_end; ++t)
+                                    block(m, std::min<int64_t>(fd_amx::kBlockRows, m_end - m), t);
+                              });
 }
 
 template <class Tiles, int PIECES>
 void gemm_amx(const Problem& p) {
-  const int64_t panel_rows = fd_kernels::panel_rows_for(PIECES * p.x_stride);
-  fd_kernels::run_row_panels(p.M, p.N / kCols, [&](int64_t t, int64_t m_begin, int64_t m_end) {
-    tile_outputs<Tiles, PIECES>(p, panel_rows, t, m_begin, m_end, p.y + m_begin * p.N + t * kCols, p.N);
-  }, panel_rows);
+  run_blocks<Tiles, PIECES>(p, p.N / kCols, [&p](int64_t m, int64_t rows, int64_t t) {
+    block_outputs<Tiles, PIECES>(p, t, m, rows, p.y + m * p.N + t * kCols, p.N);
+  });
 }
 
 // fd_w8a8_linear_silu's loop: p.y [M, N / 2] = silu(gate) * up of the product's halves (columns
-// [0, N / 2) and [N / 2, N)): each item's rows of gate tile t and up tile t + N / 64 into two
-// buffers of the thread (L2), then fd_silu_mul's formula into y, so the [M, N] product never
-// goes through memory. The same bits as fd_w8a8_linear (any path: exact integer sums) and then
-// fd_silu_mul.
+// [0, N / 2) and [N / 2, N)): for each block of rows, gate tile t and up tile t + N / 64 into two
+// L1 buffers, then fd_silu_mul's formula into y, so the [M, N] product never goes through memory.
+// The same bits as fd_w8a8_linear (any path: exact integer sums) and then fd_silu_mul.
 template <class Tiles, int PIECES>
 void gate_up_silu_amx(const Problem& p) {
-  const int64_t panel_rows = fd_kernels::panel_rows_for(PIECES * p.x_stride), half = p.N / kCols / 2, I = p.N / 2;
-  fd_kernels::run_row_panels(p.M, half, [&](int64_t t, int64_t m_begin, int64_t m_end) {
-    thread_local fd_amx::TileBuffer<float> gate, up;
-    gate.resize(static_cast<size_t>(panel_rows * kCols));
-    up.resize(static_cast<size_t>(panel_rows * kCols));
-    tile_outputs<Tiles, PIECES>(p, panel_rows, t, m_begin, m_end, gate.data(), kCols);
-    tile_outputs<Tiles, PIECES>(p, panel_rows, t + half, m_begin, m_end, up.data(), kCols);
-    for (int64_t m = m_begin; m < m_end; ++m)
+  const int64_t half = p.N / kCols / 2, I = p.N / 2;
+  run_blocks<Tiles, PIECES>(p, half, [&](int64_t m, int64_t rows, int64_t t) {
+    alignas(64) float gate[fd_amx::kBlockRows][kCols], up[fd_amx::kBlockRows][kCols];
+    block_outputs<Tiles, PIECES>(p, t, m, rows, &gate[0][0], kCols);
+    block_outputs<Tiles, PIECES>(p, t + half, m, rows, &up[0][0], kCols);
+    for (int64_t r = 0; r < rows; ++r)
       for (int64_t h = 0; h < kCols; h += 16)
-        fd_kernels::store16(p.y + m * I + t * kCols + h,
-                            fd_kernels::silu_mul16(fd_kernels::load16(gate.data() + (m - m_begin) * kCols + h),
-                                                   fd_kernels::load16(up.data() + (m - m_begin) * kCols + h)));
-  }, panel_rows);
+        fd_kernels::store16(p.y + (m + r) * I + t * kCols + h,
+                            fd_kernels::silu_mul16(fd_kernels::load16(gate[r] + h), fd_kernels::load16(up[r] + h)));
+  });
 }
 
 // fd_w8a8_linear_argmax's loop: each row's argmax of the product (tile_argmax.h: fd_argmax's
-// rule) from each item's outputs in a panel buffer of the thread, without the [M, N] output
-// going through memory (a w8a8 LM head's greedy tokens).
+// rule) from each block's outputs in an L1 buffer, without the [M, N] output going through
+// memory (a w8a8 LM head's greedy tokens).
 template <class Tiles, int PIECES>
 void argmax_amx(const Problem& p, int64_t* out) {
-  const int64_t panel_rows = fd_kernels::panel_rows_for(PIECES * p.x_stride), tiles = p.N / kCols;
+  const int64_t tiles = p.N / kCols;
   fd_kernels::ColumnBest* best = fd_kernels::tile_best_table(p.M, tiles);
-  fd_kernels::run_row_panels(p.M, tiles, [&](int64_t t, int64_t m_begin, int64_t m_end) {
-    thread_local fd_amx::TileBuffer<float> values;
-    values.resize(static_cast<size_t>(panel_rows * kCols));
-    tile_outputs<Tiles, PIECES>(p, panel_rows, t, m_begin, m_end, values.data(), kCols);
-    for (int64_t m = m_begin; m < m_end; ++m)
-      best[m * tiles + t] = fd_kernels::first_largest(values.data() + (m - m_begin) * kCols, kCols);
-  }, panel_rows);
+  run_blocks<Tiles, PIECES>(p, tiles, [&](int64_t m, int64_t rows, int64_t t) {
+    alignas(64) float values[fd_amx::kBlockRows][kCols];
+    block_outputs<Tiles, PIECES>(p, t, m, rows, &values[0][0], kCols);
+    for (int64_t r = 0; r < rows; ++r) best[(m + r) * tiles + t] = fd_kernels::first_largest(values[r], kCols);
+  });
   fd_kernels::argmax_over_tiles(best, p.M, tiles, kCols, out);
 }
 
