@@ -17,10 +17,6 @@ import argparse
 import json
 import os
 import sys
-import time
-
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 64, 30
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -48,6 +44,7 @@ def main() -> None:
     import paddle
 
     from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
+    from attention_layers import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, layer_caches, median_over_layers
     from run_stamp import run_stamp
 
     num_blocks = args.seqs * blocks_for(max(contexts) + 1, BLOCK) + 8
@@ -57,19 +54,11 @@ def main() -> None:
     results = {"shape": f"{args.seqs} decode tokens, {HEADS} heads, {KV_HEADS} kv heads, head size {HEAD_DIM}, "
                f"{LAYERS} layers each with its own cache", **run_stamp(), "rows": []}
     for dtype in args.cache_dtypes.split(","):
-        caches = [(paddle.to_tensor(base).astype(dtype), paddle.to_tensor(base).astype(dtype)) for _ in range(LAYERS)]
+        caches = layer_caches(base, dtype)
         for ctx in contexts:
             pool = BlockPool(num_blocks, seed=1)
             meta = build_meta([([0], ctx, pool.take(blocks_for(ctx + 1, BLOCK))) for _ in range(args.seqs)], BLOCK)
-            step = (paddle.to_tensor(meta.query_start_loc), paddle.to_tensor(meta.seq_lens),
-                    paddle.to_tensor(meta.block_tables))
-            times = []
-            for _ in range(args.rounds + 2):
-                t0 = time.perf_counter()
-                for k, v in caches:
-                    kernels.fd_paged_attention(q, k, v, *step, HEAD_DIM**-0.5, 0, 0)
-                times.append(time.perf_counter() - t0)
-            median = float(np.median(times[2:]))
+            median = median_over_layers(kernels, q, caches, meta, 0, args.rounds, 2)
             read = args.seqs * (ctx + 1) * KV_HEADS * HEAD_DIM * 2 * (2 if dtype == "bfloat16" else 4) * LAYERS
             row = {"cache": dtype, "keys": ctx + 1, "ms_30_layers": round(1e3 * median, 2),
                    "gb_per_s": round(read / median / 1e9, 1)}

@@ -17,10 +17,6 @@ import argparse
 import json
 import os
 import sys
-import time
-
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 64, 30
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,6 +42,7 @@ def main() -> None:
     import paddle
 
     from fastdeploy_core.testing.batches import BlockPool, blocks_for, build_meta
+    from attention_layers import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, layer_caches, median_over_layers
     from run_stamp import run_stamp
 
     results = {"shape": f"{args.prompts} prompt(s) per step, {HEADS} heads, {KV_HEADS} kv heads, head size "
@@ -55,20 +52,11 @@ def main() -> None:
     for n in lengths:
         num_blocks = args.prompts * blocks_for(n, BLOCK) + 8
         base = rng.standard_normal((num_blocks, BLOCK, KV_HEADS, HEAD_DIM)).astype(np.float32)
-        caches = [(paddle.to_tensor(base).astype(args.cache_dtype), paddle.to_tensor(base).astype(args.cache_dtype))
-                  for _ in range(LAYERS)]
+        caches = layer_caches(base, args.cache_dtype)
         q = paddle.to_tensor(rng.standard_normal((args.prompts * n, HEADS, HEAD_DIM)).astype(np.float32))
         pool = BlockPool(num_blocks, seed=1)
         meta = build_meta([([0] * n, 0, pool.take(blocks_for(n, BLOCK))) for _ in range(args.prompts)], BLOCK)
-        step = (paddle.to_tensor(meta.query_start_loc), paddle.to_tensor(meta.seq_lens),
-                paddle.to_tensor(meta.block_tables))
-        times = []
-        for _ in range(args.rounds + 1):
-            t0 = time.perf_counter()
-            for k, v in caches:
-                kernels.fd_paged_attention(q, k, v, *step, HEAD_DIM**-0.5, 0, args.path)
-            times.append(time.perf_counter() - t0)
-        median = float(np.median(times[1:]))
+        median = median_over_layers(kernels, q, caches, meta, args.path, args.rounds, 1)
         scores = args.prompts * HEADS * n * (n + 1) // 2 * LAYERS
         row = {"tokens": n, "ms_30_layers": round(1e3 * median, 2), "g_scores_per_s": round(scores / median / 1e9, 2)}
         results["rows"].append(row)

@@ -24,6 +24,18 @@ def cpu_kernels():
     return module
 
 
+@pytest.fixture
+def cpu_kernel_calls(monkeypatch):
+    """The names of the cpu kernels the cpu ops table runs from here on, in order (``ops._run``
+    wrapped): which kernel a table method chose."""
+    import fastdeploy_core.builtin.cpu.ops as cpu_ops
+
+    called: list[str] = []
+    run = cpu_ops._run
+    monkeypatch.setattr(cpu_ops, "_run", lambda name, *args: called.append(name) or run(name, *args))
+    return called
+
+
 EXAMPLE_PLUGIN = os.path.join(os.path.dirname(__file__), "example_plugin")
 
 

@@ -313,17 +313,13 @@ def test_fused_swiglu_refuses_what_it_cannot_take(ops):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_ops_fuse_the_swiglu_only_where_the_linears_take_tiles(ops, bias, monkeypatch):
+def test_ops_fuse_the_swiglu_only_where_the_linears_take_tiles(ops, bias, cpu_kernel_calls):
     """``CpuOps.bf16_linear_silu_and_mul`` gives the two ops' bits whichever way it goes: one
     kernel where the auto path multiplies in AMX tiles (and there is no bias), else the two ops."""
-    import fastdeploy_core.builtin.cpu.ops as cpu_ops
-
     x, bits = case(np.random.default_rng(11), 40, 576, 128)
     packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
     b = paddle.to_tensor(np.random.default_rng(12).standard_normal(128).astype(np.float32)) if bias else None
-    called = []
-    run = cpu_ops._run
-    monkeypatch.setattr(cpu_ops, "_run", lambda name, *args: called.append(name) or run(name, *args))
+    called = cpu_kernel_calls
     got = ops.bf16_linear_silu_and_mul(paddle.to_tensor(x), packed, b).numpy()
     fused = AMX_IN_USE and not bias and ops.bf16_path == AUTO
     assert called == (["fd_bf16_linear_silu"] if fused else ["fd_bf16_linear", "fd_silu_mul"])
@@ -359,14 +355,10 @@ def test_fused_argmax_is_argmax_rows_of_the_linear(ops, path, m, k, n):
     np.testing.assert_array_equal(got[finite], want[finite])
 
 
-def test_ops_take_the_fused_argmax_only_where_the_linears_take_tiles(ops, monkeypatch):
-    import fastdeploy_core.builtin.cpu.ops as cpu_ops
-
+def test_ops_take_the_fused_argmax_only_where_the_linears_take_tiles(ops, cpu_kernel_calls):
     x, bits = case(np.random.default_rng(21), 7, 576, 1024)
     packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
-    called = []
-    run = cpu_ops._run
-    monkeypatch.setattr(cpu_ops, "_run", lambda name, *args: called.append(name) or run(name, *args))
+    called = cpu_kernel_calls
     got = ops.bf16_linear_argmax(paddle.to_tensor(x), packed)
     fused = AMX_IN_USE and ops.bf16_path == AUTO
     assert called == (["fd_bf16_linear_argmax"] if fused else ["fd_bf16_linear", "fd_argmax"])

@@ -301,29 +301,28 @@ def test_fused_swiglu_refuses_what_it_cannot_take(cpu_kernels):
             cpu_kernels.fd_w8a8_linear_silu(x, two, paddle.ones([1, 64]), 1, AMX)
 
 
-@pytest.mark.parametrize("method", ["w8a8", "wint8"])
-@pytest.mark.parametrize("rows", [3, 40])
-def test_ops_fuse_the_swiglu_only_where_the_step_takes_int8_tiles(method, rows, monkeypatch, cpu_kernels):
-    """``CpuOps.{w8a8,wint8}_linear_silu_and_mul`` give the two ops' bits either way: one kernel
-    where ``fd_w8a8_linear``'s auto path takes AMX-INT8 tiles (16 rows or more), else the two ops."""
-    import fastdeploy_core.builtin.cpu.ops as cpu_ops
-
+def int8_layer(method: str, rows: int, n: int):
+    """``(ops, weight, scale, x)``: a ``method`` layer [576, n] in the int8 quad layout and ``rows``
+    rows of x; the test is skipped where the int8 layers keep float32 products."""
     ops = CpuOps()
-    rng = np.random.default_rng(rows)
-    w = gaussian(rng, (576, 128))
-    codes = quantize_int8(w, 576)
+    rng = np.random.default_rng(rows + n)
+    codes = quantize_int8(gaussian(rng, (576, n)), 576)
     prepared = (ops.prepare_w8a8_weights if method == "w8a8" else ops.prepare_wint8_weights)(
         paddle.to_tensor(codes["weight"]), paddle.to_tensor(codes["weight_scale"]))
     if prepared is None:
         pytest.skip("no integer dot products here: the int8 layers keep float32 products")
-    weight, scale = prepared
-    x = paddle.to_tensor(gaussian(rng, (rows, 576)))
-    called = []
-    run = cpu_ops._run
-    monkeypatch.setattr(cpu_ops, "_run", lambda name, *args: called.append(name) or run(name, *args))
+    return (ops, *prepared, paddle.to_tensor(gaussian(rng, (rows, 576))))
+
+
+@pytest.mark.parametrize("method", ["w8a8", "wint8"])
+@pytest.mark.parametrize("rows", [3, 40])
+def test_ops_fuse_the_swiglu_only_where_the_step_takes_int8_tiles(method, rows, cpu_kernel_calls, cpu_kernels):
+    """``CpuOps.{w8a8,wint8}_linear_silu_and_mul`` give the two ops' bits either way: one kernel
+    where ``fd_w8a8_linear``'s auto path takes AMX-INT8 tiles (16 rows or more), else the two ops."""
+    ops, weight, scale, x = int8_layer(method, rows, 128)
     got = getattr(ops, f"{method}_linear_silu_and_mul")(x, weight, scale, 576).numpy()
     fused = rows >= 16 and amx_state() == 1 and ops.int8_tiles_path == AUTO
-    assert called == (["fd_w8a8_linear_silu"] if fused else ["fd_w8a8_linear", "fd_silu_mul"])
+    assert cpu_kernel_calls == (["fd_w8a8_linear_silu"] if fused else ["fd_w8a8_linear", "fd_silu_mul"])
     linear = getattr(ops, f"{method}_linear")(x, weight, scale, 576)
     np.testing.assert_array_equal(got, ops.silu_and_mul(linear).numpy())
 
@@ -348,22 +347,9 @@ def test_fused_argmax_is_argmax_rows_of_the_linear(path, pieces, rows, cpu_kerne
 
 @pytest.mark.parametrize("method", ["w8a8", "wint8"])
 @pytest.mark.parametrize("rows", [3, 40])
-def test_ops_take_the_fused_argmax_only_where_the_step_takes_int8_tiles(method, rows, monkeypatch, cpu_kernels):
-    import fastdeploy_core.builtin.cpu.ops as cpu_ops
-
-    ops = CpuOps()
-    rng = np.random.default_rng(rows + 1)
-    codes = quantize_int8(gaussian(rng, (576, 1024)), 576)
-    prepared = (ops.prepare_w8a8_weights if method == "w8a8" else ops.prepare_wint8_weights)(
-        paddle.to_tensor(codes["weight"]), paddle.to_tensor(codes["weight_scale"]))
-    if prepared is None:
-        pytest.skip("no integer dot products here: the int8 layers keep float32 products")
-    weight, scale = prepared
-    x = paddle.to_tensor(gaussian(rng, (rows, 576)))
-    called = []
-    run = cpu_ops._run
-    monkeypatch.setattr(cpu_ops, "_run", lambda name, *args: called.append(name) or run(name, *args))
+def test_ops_take_the_fused_argmax_only_where_the_step_takes_int8_tiles(method, rows, cpu_kernel_calls, cpu_kernels):
+    ops, weight, scale, x = int8_layer(method, rows, 1024)
     got = getattr(ops, f"{method}_linear_argmax")(x, weight, scale, 576)
     fused = rows >= 16 and amx_state() == 1 and ops.int8_tiles_path == AUTO
-    assert called == (["fd_w8a8_linear_argmax"] if fused else ["fd_w8a8_linear", "fd_argmax"])
+    assert cpu_kernel_calls == (["fd_w8a8_linear_argmax"] if fused else ["fd_w8a8_linear", "fd_argmax"])
     np.testing.assert_array_equal(got, ops.argmax_rows(getattr(ops, f"{method}_linear")(x, weight, scale, 576)))

@@ -452,20 +452,35 @@ struct FaultingTiles : fd_amx::ModelTiles {
   static void configure(const fd_amx::TileConfig&) { __builtin_trap(); }
 };
 
-}  // namespace
-
-std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x_in, const paddle::Tensor& weight, int64_t path) {
-  PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32, "x must be float32");
+// The checks every fd_bf16_linear op makes of its inputs (the fused ones, `tiles_only`, take path
+// 3 or 4 only): {K, K2, N}.
+struct Shape {
+  int64_t K, K2, N;
+};
+Shape checked_inputs(const paddle::Tensor& x, const paddle::Tensor& weight, int64_t path, bool tiles_only) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
   PD_CHECK(weight.dtype() == paddle::DataType::BFLOAT16, "weight must be bfloat16");
   const auto& ws = weight.shape();
   PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == 2, "weight must be packed [N / 32, K2, 32, 2]");
-  PD_CHECK(path >= kAuto && path <= kAmxModel,
-           "path must be 0 (auto), 1 (widen), 2 (dot), 3 (amx) or 4 (amx on the tile model), got ", path);
+  if (tiles_only)
+    PD_CHECK(path == kAmx || path == kAmxModel, "path must be 3 (amx) or 4 (amx on the tile model), got ", path);
+  else
+    PD_CHECK(path >= kAuto && path <= kAmxModel,
+             "path must be 0 (auto), 1 (widen), 2 (dot), 3 (amx) or 4 (amx on the tile model), got ", path);
   PD_CHECK(path != kDot || cpu_has_bf16_dot(), "the dot path needs AVX-512 BF16, which this CPU does not have");
   PD_CHECK(path != kAmx || fd_amx::amx_permitted(fd_amx::Kind::kBf16),
            "the amx path needs AMX-BF16 tiles granted by the OS, which this CPU or kernel does not have");
-  const int64_t K2 = ws[1], N = ws[0] * kCols, K = x_in.shape().back();
+  PD_CHECK(!x.shape().empty(), "x must have a last axis of K features");
+  const int64_t K2 = ws[1], N = ws[0] * kCols, K = x.shape().back();
   PD_CHECK(K == 2 * K2 || K == 2 * K2 - 1, "x's last axis (", K, ") does not fit the weight's ", K2, " k pairs");
+  return {K, K2, N};
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x_in, const paddle::Tensor& weight, int64_t path) {
+  const Shape shape = checked_inputs(x_in, weight, path, false);
+  const int64_t K = shape.K, K2 = shape.K2, N = shape.N;
   const bool amx = path == kAmx || (path == kAuto && amx_state() == fd_amx::kTilesInUse);
   const bool dot = path == kDot || (path == kAuto && cpu_has_bf16_dot());
   auto out = fd_graph::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32);
@@ -486,17 +501,10 @@ std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x_in, const paddle:
 // through AMX tiles: `path` 3 the instructions (an error without AMX-BF16 tiles), 4 their
 // software model. fd_bf16_linear on the same path followed by fd_silu_mul gives the same bits.
 std::vector<paddle::Tensor> Bf16LinearSilu(const paddle::Tensor& x_in, const paddle::Tensor& weight, int64_t path) {
-  PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32, "x must be float32");
-  PD_CHECK(weight.dtype() == paddle::DataType::BFLOAT16, "weight must be bfloat16");
-  const auto& ws = weight.shape();
-  PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == 2, "weight must be packed [N / 32, K2, 32, 2]");
-  PD_CHECK(ws[0] % 2 == 0, "the gate and up halves must be whole tiles of 32 columns each (N = ", ws[0] * kCols,
+  const Shape shape = checked_inputs(x_in, weight, path, true);
+  const int64_t K = shape.K, K2 = shape.K2, N = shape.N;
+  PD_CHECK(N % (2 * kCols) == 0, "the gate and up halves must be whole tiles of 32 columns each (N = ", N,
            " is not a multiple of 64)");
-  PD_CHECK(path == kAmx || path == kAmxModel, "path must be 3 (amx) or 4 (amx on the tile model), got ", path);
-  PD_CHECK(path != kAmx || fd_amx::amx_permitted(fd_amx::Kind::kBf16),
-           "the amx path needs AMX-BF16 tiles granted by the OS, which this CPU or kernel does not have");
-  const int64_t K2 = ws[1], N = ws[0] * kCols, K = x_in.shape().back();
-  PD_CHECK(K == 2 * K2 || K == 2 * K2 - 1, "x's last axis (", K, ") does not fit the weight's ", K2, " k pairs");
   auto out = fd_graph::empty(out_shape(x_in.shape(), N / 2), paddle::DataType::FLOAT32);
   fd_graph::run("fd_bf16_linear_silu", {&x_in, &weight}, {&out}, [=]() mutable {
     const paddle::Tensor x = x_in.contiguous();
@@ -576,15 +584,9 @@ PD_BUILD_OP(fd_bf16_linear_silu)
 // output, the same tokens) through AMX tiles, without the logits: `path` 3 the instructions, 4
 // their software model. int64 [M].
 std::vector<paddle::Tensor> Bf16LinearArgmax(const paddle::Tensor& x_in, const paddle::Tensor& weight, int64_t path) {
-  PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32 && x_in.shape().size() == 2, "x must be float32 [M, K]");
-  PD_CHECK(weight.dtype() == paddle::DataType::BFLOAT16, "weight must be bfloat16");
-  const auto& ws = weight.shape();
-  PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == 2, "weight must be packed [N / 32, K2, 32, 2]");
-  PD_CHECK(path == kAmx || path == kAmxModel, "path must be 3 (amx) or 4 (amx on the tile model), got ", path);
-  PD_CHECK(path != kAmx || fd_amx::amx_permitted(fd_amx::Kind::kBf16),
-           "the amx path needs AMX-BF16 tiles granted by the OS, which this CPU or kernel does not have");
-  const int64_t K2 = ws[1], N = ws[0] * kCols, K = x_in.shape()[1], M = x_in.shape()[0];
-  PD_CHECK(K == 2 * K2 || K == 2 * K2 - 1, "x's last axis (", K, ") does not fit the weight's ", K2, " k pairs");
+  PD_CHECK(x_in.shape().size() == 2, "x must be float32 [M, K]");
+  const Shape shape = checked_inputs(x_in, weight, path, true);
+  const int64_t K = shape.K, K2 = shape.K2, N = shape.N, M = x_in.shape()[0];
   PD_CHECK(N < (int64_t{1} << 31), "more than 2^31 columns");
   auto out = paddle::empty({M}, paddle::DataType::INT64, paddle::CPUPlace());
   const paddle::Tensor x = x_in.contiguous();

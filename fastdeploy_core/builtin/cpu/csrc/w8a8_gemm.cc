@@ -49,6 +49,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -395,23 +396,36 @@ std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
   return shape;
 }
 
-}  // namespace
-
-std::vector<paddle::Tensor> W8a8Linear(const paddle::Tensor& x_in, const paddle::Tensor& weight,
-                                       const paddle::Tensor& scale, int64_t pieces, int64_t path) {
+// The checks every fd_w8a8_linear op makes of its inputs (the fused ones, `tiles_only`, take
+// path 2 or 3 only): {K, N}.
+std::pair<int64_t, int64_t> checked_inputs(const paddle::Tensor& x, const paddle::Tensor& weight,
+                                           const paddle::Tensor& scale, int64_t pieces, int64_t path, bool tiles_only) {
   PD_CHECK(pieces == 1 || pieces == 2, "pieces must be 1 (int8 activations) or 2 (16-bit), got ", pieces);
-  PD_CHECK(path >= kAuto && path <= kAmxModel,
-           "path must be 0 (auto), 1 (vector), 2 (amx) or 3 (amx on the tile model), got ", path);
+  if (tiles_only)
+    PD_CHECK(path == kAmx || path == kAmxModel, "path must be 2 (amx) or 3 (amx on the tile model), got ", path);
+  else
+    PD_CHECK(path >= kAuto && path <= kAmxModel,
+             "path must be 0 (auto), 1 (vector), 2 (amx) or 3 (amx on the tile model), got ", path);
   PD_CHECK(path != kAmx || fd_amx::amx_permitted(fd_amx::Kind::kInt8),
            "the amx path needs AMX-INT8 tiles granted by the OS, which this CPU or kernel does not have");
-  PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32, "x must be float32");
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
   PD_CHECK(weight.dtype() == paddle::DataType::INT8, "weight must be int8");
   const auto& ws = weight.shape();
   PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == kQuad, "weight must be packed [N / 32, K / 4, 32, 4]");
   const int64_t K = ws[1] * kQuad, N = ws[0] * kCols;
-  PD_CHECK(x_in.shape().back() == K, "x's last axis (", x_in.shape().back(), ") must equal the weight's K (", K, ")");
+  PD_CHECK(!x.shape().empty() && x.shape().back() == K, "x's last axis (", x.shape().empty() ? 0 : x.shape().back(),
+           ") must equal the weight's K (", K, ")");
   PD_CHECK(scale.dtype() == paddle::DataType::FLOAT32 && scale.numel() == N,
            "scale must be float32 with one value per output channel (", N, ")");
+  return {K, N};
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> W8a8Linear(const paddle::Tensor& x_in, const paddle::Tensor& weight,
+                                       const paddle::Tensor& scale, int64_t pieces, int64_t path) {
+  const std::pair<int64_t, int64_t> kn = checked_inputs(x_in, weight, scale, pieces, path, false);
+  const int64_t K = kn.first, N = kn.second;
   auto out = fd_graph::empty(out_shape(x_in.shape(), N), paddle::DataType::FLOAT32);
   fd_graph::run("fd_w8a8_linear", {&x_in, &weight, &scale}, {&out}, [=]() mutable {
     const paddle::Tensor x = x_in.contiguous();
@@ -432,20 +446,10 @@ std::vector<paddle::Tensor> W8a8Linear(const paddle::Tensor& x_in, const paddle:
 // fd_w8a8_linear with the same pieces followed by fd_silu_mul gives the same bits.
 std::vector<paddle::Tensor> W8a8LinearSilu(const paddle::Tensor& x_in, const paddle::Tensor& weight,
                                            const paddle::Tensor& scale, int64_t pieces, int64_t path) {
-  PD_CHECK(pieces == 1 || pieces == 2, "pieces must be 1 (int8 activations) or 2 (16-bit), got ", pieces);
-  PD_CHECK(path == kAmx || path == kAmxModel, "path must be 2 (amx) or 3 (amx on the tile model), got ", path);
-  PD_CHECK(path != kAmx || fd_amx::amx_permitted(fd_amx::Kind::kInt8),
-           "the amx path needs AMX-INT8 tiles granted by the OS, which this CPU or kernel does not have");
-  PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32, "x must be float32");
-  PD_CHECK(weight.dtype() == paddle::DataType::INT8, "weight must be int8");
-  const auto& ws = weight.shape();
-  PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == kQuad, "weight must be packed [N / 32, K / 4, 32, 4]");
-  PD_CHECK(ws[0] % 2 == 0, "the gate and up halves must be whole tiles of 32 columns each (N = ", ws[0] * kCols,
+  const std::pair<int64_t, int64_t> kn = checked_inputs(x_in, weight, scale, pieces, path, true);
+  const int64_t K = kn.first, N = kn.second;
+  PD_CHECK(N % (2 * kCols) == 0, "the gate and up halves must be whole tiles of 32 columns each (N = ", N,
            " is not a multiple of 64)");
-  const int64_t K = ws[1] * kQuad, N = ws[0] * kCols;
-  PD_CHECK(x_in.shape().back() == K, "x's last axis (", x_in.shape().back(), ") must equal the weight's K (", K, ")");
-  PD_CHECK(scale.dtype() == paddle::DataType::FLOAT32 && scale.numel() == N,
-           "scale must be float32 with one value per output channel (", N, ")");
   auto out = fd_graph::empty(out_shape(x_in.shape(), N / 2), paddle::DataType::FLOAT32);
   fd_graph::run("fd_w8a8_linear_silu", {&x_in, &weight, &scale}, {&out}, [=]() mutable {
     const paddle::Tensor x = x_in.contiguous();
@@ -517,18 +521,10 @@ PD_BUILD_OP(fd_w8a8_linear_silu)
 // their software model. int64 [M].
 std::vector<paddle::Tensor> W8a8LinearArgmax(const paddle::Tensor& x_in, const paddle::Tensor& weight,
                                              const paddle::Tensor& scale, int64_t pieces, int64_t path) {
-  PD_CHECK(pieces == 1 || pieces == 2, "pieces must be 1 (int8 activations) or 2 (16-bit), got ", pieces);
-  PD_CHECK(path == kAmx || path == kAmxModel, "path must be 2 (amx) or 3 (amx on the tile model), got ", path);
-  PD_CHECK(path != kAmx || fd_amx::amx_permitted(fd_amx::Kind::kInt8),
-           "the amx path needs AMX-INT8 tiles granted by the OS, which this CPU or kernel does not have");
-  PD_CHECK(x_in.dtype() == paddle::DataType::FLOAT32 && x_in.shape().size() == 2, "x must be float32 [M, K]");
-  PD_CHECK(weight.dtype() == paddle::DataType::INT8, "weight must be int8");
-  const auto& ws = weight.shape();
-  PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == kQuad, "weight must be packed [N / 32, K / 4, 32, 4]");
-  const int64_t K = ws[1] * kQuad, N = ws[0] * kCols, M = x_in.shape()[0];
-  PD_CHECK(x_in.shape()[1] == K, "x's last axis (", x_in.shape()[1], ") must equal the weight's K (", K, ")");
-  PD_CHECK(scale.dtype() == paddle::DataType::FLOAT32 && scale.numel() == N,
-           "scale must be float32 with one value per output channel (", N, ")");
+  PD_CHECK(x_in.shape().size() == 2, "x must be float32 [M, K]");
+  const std::pair<int64_t, int64_t> kn = checked_inputs(x_in, weight, scale, pieces, path, true);
+  const int64_t K = kn.first, N = kn.second;
+  const int64_t M = x_in.shape()[0];
   PD_CHECK(N < (int64_t{1} << 31), "more than 2^31 columns");
   auto out = paddle::empty({M}, paddle::DataType::INT64, paddle::CPUPlace());
   const paddle::Tensor x = x_in.contiguous();
