@@ -40,7 +40,8 @@
 //
 // Threads (row_panels.h) claim (panel of 64 rows, one or two column tiles) items; each tile
 // runs the panel's rows in blocks of 8, so rows reuse a tile's weights from cache and a panel's
-// activations stay in L2 across its tiles.
+// activations stay in L2 across its tiles. The amx path's items are (panel of up to 512 rows, a
+// group of up to 16 tiles), a block of 32 rows at a time across the group (run_tile_groups).
 //
 // Without AVX-512, a call of more than kWidenOnceRows rows takes the widen path another way: each
 // tile's weights are widened once into a float32 buffer [K2 pairs x 2, 32], the odd k of each pair

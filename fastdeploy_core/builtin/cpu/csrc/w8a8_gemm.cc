@@ -40,7 +40,8 @@
 // AMX-INT8), 3 = the amx loop on the tile model.
 //
 // Threads claim (panel of 64 rows, one or two column tiles) items and each tile runs the panel's
-// rows in register blocks (row_panels.h, as fd_bf16_linear's do).
+// rows in register blocks (row_panels.h, as fd_bf16_linear's do); the amx path's items are groups
+// of tiles a block of 32 rows at a time (run_blocks).
 
 #include <immintrin.h>
 
