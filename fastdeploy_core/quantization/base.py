@@ -394,53 +394,45 @@ class QuantizerBase(LinearMethodBase):
         """The plain-Paddle formula of :attr:`device_op`: ``(x, *op_args, bias) -> y``."""
         raise NotImplementedError
 
-    def apply(self, layer, x: paddle.Tensor) -> paddle.Tensor:
-        """``y = x @ W (+ b)`` through the device op when the ops table has it, else the reference.
-
-        The storage arguments are collected once per layer and the op once per ops table:
-        a decode step calls this ~120 times and Paddle's layer attribute lookup is slow.
-        """
+    def _layer_args(self, layer) -> tuple:
+        """:meth:`op_args` and the bias, collected once per layer (a decode step applies ~120
+        layers, and Paddle's layer attribute lookup is slow)."""
         args = layer.__dict__.get("_quant_op_args")
         if args is None:
-            args = (*self.op_args(layer), layer.bias)
-            layer.__dict__["_quant_op_args"] = args
+            args = layer.__dict__["_quant_op_args"] = (*self.op_args(layer), layer.bias)
+        return args
+
+    def _device_ops(self) -> tuple:
+        """``(ops, op, fused_silu, fused_argmax)`` of the current ops table, looked up once per
+        table: :attr:`device_op` (else :meth:`reference_op`) and the fused ops it has (else None)."""
         ops = current_ops()
-        if ops is not self.__dict__.get("_ops"):
-            self.__dict__["_ops"] = ops
-            self.__dict__["_op"] = (getattr(ops, self.device_op, None) if self.device_op else None) or self.reference_op
-        return self._op(x, *args)
+        found = self.__dict__.get("_found_ops")
+        if found is None or found[0] is not ops:
+            def named(name):
+                return getattr(ops, name, None) if name else None
+
+            found = self.__dict__["_found_ops"] = (
+                ops, named(self.device_op) or self.reference_op, named(self.fused_silu_op), named(self.fused_argmax_op))
+        return found
+
+    def apply(self, layer, x: paddle.Tensor) -> paddle.Tensor:
+        """``y = x @ W (+ b)`` through the device op when the ops table has it, else the reference."""
+        return self._device_ops()[1](x, *self._layer_args(layer))
 
     def apply_silu_and_mul(self, layer, x: paddle.Tensor) -> paddle.Tensor:
         """``silu_and_mul(apply(layer, x))`` for a merged gate/up projection: the device op
         :attr:`fused_silu_op` when this method names one and the ops table has it, else the two."""
-        ops = current_ops()
-        if ops is not self.__dict__.get("_silu_ops"):  # looked up once per ops table, as apply's op
-            self.__dict__["_silu_ops"] = ops
-            self.__dict__["_silu_op"] = getattr(ops, self.fused_silu_op, None) if self.fused_silu_op else None
-        fused = self._silu_op
-        if fused is None:
-            return ops.silu_and_mul(self.apply(layer, x))
-        args = layer.__dict__.get("_quant_op_args")
-        if args is None:
-            args = (*self.op_args(layer), layer.bias)
-            layer.__dict__["_quant_op_args"] = args
-        return fused(x, *args)
+        ops, op, fused, _ = self._device_ops()
+        args = self._layer_args(layer)
+        return fused(x, *args) if fused is not None else ops.silu_and_mul(op(x, *args))
 
     def apply_argmax(self, layer, x: paddle.Tensor) -> np.ndarray:
         """Each row's argmax of ``apply(layer, x)`` (a head's greedy tokens): the device op
         :attr:`fused_argmax_op` when this method names one and the ops table has it, else
         ``ops.argmax_rows`` of the logits."""
-        ops = current_ops()
-        if ops is not self.__dict__.get("_argmax_ops"):
-            self.__dict__["_argmax_ops"] = ops
-            self.__dict__["_argmax_op"] = getattr(ops, self.fused_argmax_op, None) if self.fused_argmax_op else None
-        if self._argmax_op is None:
-            return ops.argmax_rows(self.apply(layer, x))
-        args = layer.__dict__.get("_quant_op_args")
-        if args is None:
-            args = (*self.op_args(layer), layer.bias)
-            layer.__dict__["_quant_op_args"] = args
-        return self._argmax_op(x, *args)
+        ops, op, _, fused = self._device_ops()
+        args = self._layer_args(layer)
+        return fused(x, *args) if fused is not None else ops.argmax_rows(op(x, *args))
 
     def adopt_device_layout(self, layer, prepare: str, names: tuple[str, ...]) -> bool:
         """Whether the ops table's ``prepare`` method laid the storage tensors ``names`` out for

@@ -76,47 +76,44 @@ class CpuQuantOps:
         return add_bias(_run("fd_int8_linear", x, weight, scale, group_size, True)[0], bias)
 
     def wint8_linear_silu_and_mul(self, x, weight, scale, group_size: int, bias=None) -> paddle.Tensor:
-        """``silu_and_mul(wint8_linear(...))`` (a merged gate/up projection): one kernel,
-        ``fd_w8a8_linear_silu``, where the step takes AMX-INT8 tiles, else the two ops."""
-        if self._int8_tiles_take(x, weight, bias):
-            return _run("fd_w8a8_linear_silu", x, weight, scale, 2, 2)[0]
-        return self.silu_and_mul(self.wint8_linear(x, weight, scale, group_size, bias))
+        """``silu_and_mul(wint8_linear(...))`` (a merged gate/up projection): see :meth:`_int8_fused`."""
+        return self._int8_fused("silu", 2, x, weight, scale, group_size, bias)
 
     def w8a8_linear_silu_and_mul(self, x, weight, scale, group_size: int, bias=None) -> paddle.Tensor:
-        """``silu_and_mul(w8a8_linear(...))``: one kernel where the step takes AMX-INT8 tiles
-        (the same bits: exact integer sums, fd_silu_mul's formula), else the two ops."""
-        if self._int8_tiles_take(x, weight, bias):
-            return _run("fd_w8a8_linear_silu", x, weight, scale, 1, 2)[0]
-        return self.silu_and_mul(self.w8a8_linear(x, weight, scale, group_size, bias))
+        """``silu_and_mul(w8a8_linear(...))``: see :meth:`_int8_fused`."""
+        return self._int8_fused("silu", 1, x, weight, scale, group_size, bias)
 
     def wint8_linear_argmax(self, x, weight, scale, group_size: int, bias=None) -> np.ndarray:
-        """``argmax_rows(wint8_linear(...))`` (a head's greedy tokens): one kernel,
-        ``fd_w8a8_linear_argmax``, where the step takes AMX-INT8 tiles, else the two ops."""
-        if self._int8_tiles_take(x, weight, bias, halves=False) and x.ndim == 2:
-            return _run("fd_w8a8_linear_argmax", x, weight, scale, 2, 2)[0].numpy()
-        return self.argmax_rows(self.wint8_linear(x, weight, scale, group_size, bias))
+        """``argmax_rows(wint8_linear(...))`` (a head's greedy tokens): see :meth:`_int8_fused`."""
+        return self._int8_fused("argmax", 2, x, weight, scale, group_size, bias)
 
     def w8a8_linear_argmax(self, x, weight, scale, group_size: int, bias=None) -> np.ndarray:
-        """``argmax_rows(w8a8_linear(...))``: one kernel where the step takes AMX-INT8 tiles (the
-        same tokens: exact integer sums, fd_argmax's rule), else the two ops."""
-        if self._int8_tiles_take(x, weight, bias, halves=False) and x.ndim == 2:
-            return _run("fd_w8a8_linear_argmax", x, weight, scale, 1, 2)[0].numpy()
-        return self.argmax_rows(self.w8a8_linear(x, weight, scale, group_size, bias))
+        """``argmax_rows(w8a8_linear(...))``: see :meth:`_int8_fused`."""
+        return self._int8_fused("argmax", 1, x, weight, scale, group_size, bias)
 
-    def _int8_tiles_take(self, x, weight, bias, halves: bool = True) -> bool:
-        """Whether ``fd_w8a8_linear``'s auto path would take AMX-INT8 tiles for ``x`` (16 rows or
-        more, tiles granted and checked) on a quad-packed ``weight`` (``halves``: of whole gate /
-        up halves)."""
-        if bias is not None or weight.ndim != 4 or (halves and weight.shape[0] % 2) or x.dtype != paddle.float32:
-            return False
-        if self.int8_tiles_path != 0 or x.ndim < 1 or int(np.prod(x.shape[:-1])) < 16:
-            return False
-        if not (self._have_kernels or self._ready()):
-            return False
-        tiles = self.__dict__.get("_int8_tiles_state")
-        if tiles is None:
-            tiles = self.__dict__["_int8_tiles_state"] = amx_state("fd_w8a8_amx_state") == 1
-        return tiles
+    def _int8_fused(self, what: str, pieces: int, x, weight, scale, group_size: int, bias):
+        """``silu_and_mul`` (``what="silu"``) or ``argmax_rows`` (``"argmax"``) of a w8a8
+        (``pieces=1``) or wint8 (2) layer's output: one kernel, ``fd_w8a8_linear_silu`` /
+        ``fd_w8a8_linear_argmax``, where ``fd_w8a8_linear``'s auto path takes AMX-INT8 tiles for
+        the step (16 rows or more, tiles granted and checked; the same bits: exact integer sums,
+        then fd_silu_mul's formula or fd_argmax's rule); else the layer's op and then the other."""
+        silu = what == "silu"
+        if (bias is None and weight.ndim == 4 and x.dtype == paddle.float32 and self.int8_tiles_path == 0
+                and (x.ndim == 2 or (silu and x.ndim >= 1)) and int(np.prod(x.shape[:-1])) >= 16
+                and not (silu and weight.shape[0] % 2) and self._tiles_in_use("fd_w8a8_amx_state")):
+            out = _run("fd_w8a8_linear_silu" if silu else "fd_w8a8_linear_argmax", x, weight, scale, pieces, 2)[0]
+            return out if silu else out.numpy()
+        linear = self.w8a8_linear if pieces == 1 else self.wint8_linear
+        y = linear(x, weight, scale, group_size, bias)
+        return self.silu_and_mul(y) if silu else self.argmax_rows(y)
+
+    def _tiles_in_use(self, state_op: str) -> bool:
+        """Whether the kernel of ``state_op`` (``kernels.AMX_STATE_OPS``) multiplies in AMX tiles in
+        this process (asked once per table); False without the kernels."""
+        states = self.__dict__.setdefault("_tile_states", {})
+        if state_op not in states:
+            states[state_op] = (self._have_kernels or self._ready()) and amx_state(state_op) == 1
+        return states[state_op]
 
     #: ``w8a8`` layers multiply int8 by int8 (``fd_w8a8_linear``) when the kernels have integer dot
     #: products here (``has_int8_dot``); ``FD_W8A8_INT_DOT=0`` keeps the float32 products of
@@ -228,8 +225,7 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         """``silu_and_mul(bf16_linear(x, weight, bias))`` (a merged gate/up projection): in one
         kernel, ``fd_bf16_linear_silu``, when this process's bf16 linears multiply in AMX tiles
         (their product never goes through memory; the bits are the two ops'), else the two ops."""
-        if (bias is None and weight.ndim == 4 and weight.shape[0] % 2 == 0 and x.dtype == paddle.float32
-                and self.bf16_path == 0 and (self._have_kernels or self._ready()) and self._bf16_tiles()):
+        if weight.ndim == 4 and weight.shape[0] % 2 == 0 and self._bf16_fuses(x, bias):
             return _run("fd_bf16_linear_silu", x, weight, 3)[0]
         return self.silu_and_mul(self.bf16_linear(x, weight, bias))
 
@@ -237,17 +233,15 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         """``argmax_rows(bf16_linear(x, weight, bias))`` (a bfloat16 LM head's greedy tokens): in
         one kernel, ``fd_bf16_linear_argmax``, when this process's bf16 linears multiply in AMX
         tiles (the logits never go through memory; the same tokens), else the two ops."""
-        if (bias is None and weight.ndim == 4 and x.ndim == 2 and x.dtype == paddle.float32
-                and self.bf16_path == 0 and (self._have_kernels or self._ready()) and self._bf16_tiles()):
+        if weight.ndim == 4 and x.ndim == 2 and self._bf16_fuses(x, bias):
             return _run("fd_bf16_linear_argmax", x, weight, 3)[0].numpy()
         return self.argmax_rows(self.bf16_linear(x, weight, bias))
 
-    def _bf16_tiles(self) -> bool:
-        """Whether ``fd_bf16_linear``'s auto path multiplies in AMX tiles in this process."""
-        tiles = self.__dict__.get("_bf16_tiles_state")
-        if tiles is None:
-            tiles = self.__dict__["_bf16_tiles_state"] = amx_state("fd_bf16_amx_state") == 1
-        return tiles
+    def _bf16_fuses(self, x, bias) -> bool:
+        """Whether a fused bf16 kernel takes ``x``: no bias, float32 rows, and ``fd_bf16_linear``'s
+        auto path multiplying in AMX tiles in this process."""
+        return (bias is None and x.dtype == paddle.float32 and self.bf16_path == 0
+                and self._tiles_in_use("fd_bf16_amx_state"))
 
     #: int4 layers (``wint4``, ``w4a8``) take the VNNI layout when the kernels have integer dot
     #: products on this CPU (AVX-512 VNNI, or AVX2: ``has_int8_dot``); ``FD_INT4_VNNI=0`` keeps

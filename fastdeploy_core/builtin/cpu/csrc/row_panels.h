@@ -72,29 +72,28 @@ inline void run_row_chunks(int64_t M, const Rows& rows) {
       &job);
 }
 
-// tile_rows(t, m_begin, m_end) for every tile t < tiles and every panel of panel_rows of the M rows,
-// on the pool.
+// tile_rows(t, m_begin, m_end) for every tile t < tiles and every panel of the M rows, on the pool.
 template <class TileRows>
-inline void run_row_panels(int64_t M, int64_t tiles, const TileRows& tile_rows, int64_t panel_rows = kPanelRows) {
+inline void run_row_panels(int64_t M, int64_t tiles, const TileRows& tile_rows) {
   struct Split {
     const TileRows* tile_rows;
-    int64_t M, tiles, per_chunk, tile_chunks, panel_rows;
+    int64_t M, tiles, per_chunk, tile_chunks;
   };
   // Two tiles per item (the panel's rows read once for both) unless that leaves the threads
   // unevenly loaded: 18 tiles of one panel as 9 items make one thread run 5 while the other
   // runs 4 (10% of a [64, 576] x [576, 576] step lost), as 18 items 9 and 9.
-  const int64_t panels = std::max<int64_t>(1, (M + panel_rows - 1) / panel_rows);
+  const int64_t panels = std::max<int64_t>(1, (M + kPanelRows - 1) / kPanelRows);
   const int64_t threads = Pool::instance().threads();
   const int64_t paired = (tiles + 1) / 2 * panels;
   const int64_t per_chunk = tiles >= 16 && (paired % threads == 0 || paired >= 8 * threads) ? 2 : 1;
-  Split s{&tile_rows, M, tiles, per_chunk, (tiles + per_chunk - 1) / per_chunk, panel_rows};
+  Split s{&tile_rows, M, tiles, per_chunk, (tiles + per_chunk - 1) / per_chunk};
   const int64_t chunks = s.tile_chunks * panels;
   Pool::instance().run(
       chunks,
       [](void* ctx, int64_t c) {
         const Split& j = *static_cast<const Split*>(ctx);
         const int64_t panel = c / j.tile_chunks, tc = c % j.tile_chunks;
-        const int64_t m_begin = panel * j.panel_rows, m_end = std::min(j.M, m_begin + j.panel_rows);
+        const int64_t m_begin = panel * kPanelRows, m_end = std::min(j.M, m_begin + kPanelRows);
         for (int64_t t = tc * j.per_chunk; t < std::min(j.tiles, (tc + 1) * j.per_chunk); ++t)
           (*j.tile_rows)(t, m_begin, m_end);
       },
