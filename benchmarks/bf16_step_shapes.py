@@ -7,8 +7,9 @@ For ``--rows`` rows (a step's tokens), each projection of a layer (fused QKV [57
 bfloat16 weights in the kernel's pair tiles on the path the CPU chooses (``--path 0``; 2 forces
 ``vdpbf16ps``, 3 AMX tiles, 1 widening): best of 15 calls after
 3 warm-ups, and the step's total (30 layers and one head). Where the linears take AMX tiles the
-gate/up projection is also timed with its SwiGLU in one op (``fd_bf16_linear_silu``, as the
-model runs it; the step total counts that one). With ``--layers-apart`` each projection
+gate/up projection is also timed with its SwiGLU in one op (``fd_bf16_linear_silu``) and the
+head with its greedy argmax in one (``fd_bf16_linear_argmax``), as the model runs them on
+greedy steps; the step total counts those. With ``--layers-apart`` each projection
 has 30 distinct weight matrices, as the model's layers do (~212 MB of bfloat16 weights, which no
 cache holds: each step reads them from memory), and a call's time is the best of 5 passes over
 the 30, divided by 30; without it one matrix is called again and again from the caches.
@@ -55,18 +56,19 @@ def main() -> None:
     total_us = total_macs = 0.0
     from fastdeploy_core.builtin.cpu.kernels import amx_state
 
-    # the gate/up projection with its SwiGLU in one op as the model runs it on AMX tiles
-    # (fd_bf16_linear_silu, path 3): a row of its own, in the step total instead of gate_up's
+    # the gate/up projection with its SwiGLU and the head with its argmax in one op each, as the
+    # model runs them on AMX tiles (path 3): rows of their own, in the step total instead
     fused = args.path in (0, 3) and amx_state("fd_bf16_amx_state") == 1
-    shapes = SHAPES + ([("gate_up+silu", 576, 3072, 30)] if fused else [])
+    shapes = SHAPES + ([("gate_up+silu", 576, 3072, 30), ("head+argmax", 576, 49152, 1)] if fused else [])
     for name, k, n, count in shapes:
         copies = count if args.layers_apart else 1
         weights = [layout.pack_bf16_pair_tiles(
             paddle.to_tensor((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)).astype("bfloat16"))
             for _ in range(copies)]
         x = paddle.randn([m, k])
-        op = (lambda x, w: kernels.fd_bf16_linear_silu(x, w, 3)) if name == "gate_up+silu" else (
-            lambda x, w: kernels.fd_bf16_linear(x, w, args.path))
+        op = {"gate_up+silu": lambda x, w: kernels.fd_bf16_linear_silu(x, w, 3),
+              "head+argmax": lambda x, w: kernels.fd_bf16_linear_argmax(x, w, 3)}.get(
+            name, lambda x, w: kernels.fd_bf16_linear(x, w, args.path))
         for _ in range(3):
             op(x, weights[0])
         times = []
@@ -82,7 +84,7 @@ def main() -> None:
         print(json.dumps(row))
     by_name = {row["name"]: row for row in result["shapes"]}
     for name, k, n, count in SHAPES:
-        us = by_name["gate_up+silu" if name == "gate_up" and fused else name]["us"]
+        us = by_name[{"gate_up": "gate_up+silu", "head": "head+argmax"}.get(name, name) if fused else name]["us"]
         total_us += us * count
         total_macs += m * k * n * count
     result["step_ms"] = round(total_us / 1e3, 2)

@@ -335,10 +335,11 @@ def test_ops_fuse_the_swiglu_only_where_the_linears_take_tiles(ops, bias, cpu_ke
 def test_fused_argmax_is_argmax_rows_of_the_linear(ops, path, m, k, n):
     rng = np.random.default_rng(m + k + n + 3)
     x, bits = case(rng, m, k, n)
-    # two equal columns (the first, and the last of another tile when n > 32) that hold row 0's
-    # maximum: the first wins
+    # three equal columns (the first, one 3 columns on in its tile, and the last, of another tile
+    # when n > 32) that hold row 0's maximum: the first wins
     bits[:, n // 2] = bfloat16_bits(np.abs(widen(bits[:, n // 2])) + 1.0)
     bits[:, n - 1] = bits[:, n // 2]
+    bits[:, n // 2 + 3] = bits[:, n // 2]  # and a later column of the same tile
     x[0] = np.abs(x[0])
     if m > 2:
         x[1, 3] = np.nan  # a NaN row: every logit NaN, token 0 (fd_argmax's rule)

@@ -334,7 +334,8 @@ def test_fused_argmax_is_argmax_rows_of_the_linear(path, pieces, rows, cpu_kerne
     K, N = 576, 1024
     rng = np.random.default_rng(rows + pieces)
     q = rng.integers(-127, 128, (K, N)).astype(np.int8)
-    q[:, N - 1] = q[:, 40] = np.abs(q[:, 40]).astype(np.int8)  # equal columns, row 0's maximum: the first wins
+    # equal columns (two of one tile, one of the last) with row 0's maximum: the first wins
+    q[:, N - 1] = q[:, 45] = q[:, 40] = np.abs(q[:, 40]).astype(np.int8)
     ws = np.full(N, 0.01, np.float32)
     x = gaussian(rng, (rows, K))
     x[0] = np.abs(x[0])

@@ -340,7 +340,8 @@ void gate_up_silu_amx(const Problem& p, int64_t x_stride) {
 template <class Tiles>
 void argmax_amx(const Problem& p, int64_t x_stride, int64_t* out) {
   const int64_t tiles = p.N / kCols, tile_bytes = p.K2 * kPairBytes;
-  fd_kernels::ColumnBest* best = fd_kernels::tile_best_table(p.M, tiles);
+  static_assert(kCols == 32, "TileBest takes 32-column tiles");
+  fd_kernels::TileBest best(p.M, tiles);
   fd_kernels::run_tile_groups(p.M, tiles, fd_kernels::panel_rows_for(x_stride * 4),
                               [&](int64_t t_begin, int64_t t_end, int64_t m_begin, int64_t m_end) {
     alignas(64) uint8_t tail[fd_amx::kTileGroups * fd_amx::kGroupBytes];
@@ -353,11 +354,11 @@ void argmax_amx(const Problem& p, int64_t x_stride, int64_t* out) {
         const fd_amx::TileOperands op{p.xb + m * x_stride, x_stride, w, p.K2, fd_amx::padded_tail(w, p.K2, tail)};
         fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, op, rows, reinterpret_cast<uint8_t*>(&sums[0][0]), kCols * 4,
                                        false);
-        for (int64_t r = 0; r < rows; ++r) best[(m + r) * tiles + t] = fd_kernels::first_largest(sums[r], kCols);
+        best.put(t, m, rows, sums[0], kCols);
       }
     }
   });
-  fd_kernels::argmax_over_tiles(best, p.M, tiles, kCols, out);
+  best.argmax(kCols, out);
 }
 
 void gemm(const Problem& p, bool dot) {

@@ -330,13 +330,14 @@ void gate_up_silu_amx(const Problem& p) {
 template <class Tiles, int PIECES>
 void argmax_amx(const Problem& p, int64_t* out) {
   const int64_t tiles = p.N / kCols;
-  fd_kernels::ColumnBest* best = fd_kernels::tile_best_table(p.M, tiles);
+  static_assert(kCols == 32, "TileBest takes 32-column tiles");
+  fd_kernels::TileBest best(p.M, tiles);
   run_blocks<Tiles, PIECES>(p, tiles, [&](int64_t m, int64_t rows, int64_t t) {
     alignas(64) float values[fd_amx::kBlockRows][kCols];
     block_outputs<Tiles, PIECES>(p, t, m, rows, &values[0][0], kCols);
-    for (int64_t r = 0; r < rows; ++r) best[(m + r) * tiles + t] = fd_kernels::first_largest(values[r], kCols);
+    best.put(t, m, rows, values[0], kCols);
   });
-  fd_kernels::argmax_over_tiles(best, p.M, tiles, kCols, out);
+  best.argmax(kCols, out);
 }
 
 // The tiles' sums of a small problem (20 rows: a tile and a part; K = 80: a tile of 16 quads and
