@@ -46,6 +46,8 @@
 #include <new>
 #include <vector>
 
+#include "row_panels.h"
+
 namespace fd_amx {
 
 constexpr int64_t kTileRows = 16;      // rows of a tile
@@ -371,6 +373,17 @@ inline const uint8_t* padded_tail(const uint8_t* w, int64_t groups, uint8_t* buf
   return buf;
 }
 
+// A weight tile's operands for a block of rows, its last groups % 16 groups (if any) padded in a
+// buffer of its own (padded_tail): what each block of the amx loops multiplies.
+struct PaddedTile {
+  PaddedTile(const uint32_t* a, int64_t a_stride, const uint8_t* w, int64_t groups)
+      : op{a, a_stride, w, groups, padded_tail(w, groups, tail)} {}
+  PaddedTile(const PaddedTile&) = delete;  // op.w_tail points into this object
+  PaddedTile& operator=(const PaddedTile&) = delete;
+  alignas(64) uint8_t tail[kTileGroups * kGroupBytes];
+  TileOperands op;
+};
+
 // Rows [m_begin, m_end) of one weight tile in blocks of 32 rows (two A tiles) and one block of
 // the rest: store(m, rows, out) gets each block's sums.
 template <class Tiles, class Store>
@@ -388,41 +401,42 @@ inline void tile_rows(Kind kind, const uint32_t* a, int64_t a_stride, const uint
   }
 }
 
-// Rows [m_begin, m_end) of `count` consecutive weight tiles (w: the first, tile_bytes apart), the
-// sums stored into y's rows (y: the first tile's first column, y_stride floats apart; y and
-// y_stride 64-byte aligned): each block of 32 rows (or of 16, the last) straight from the tiles,
-// a block of other rows through a buffer. The row blocks are the outer loop: a block's rows
-// stay in L1 across the tiles and the tiles' weights in L2 across the blocks, and each block
-// writes `count` x 128 contiguous bytes of each of its rows. (One tile at a time down all the
-// rows wrote 128 bytes per row and page: a 512-row [576, 3072] product on one core of a Xeon
-// with AMX took 71 ns per step of the loop that way, 56 with 16 tiles per block of rows.)
-template <class Tiles>
-inline void tile_group_rows_into(Kind kind, const uint32_t* a, int64_t a_stride, const uint8_t* w, int64_t tile_bytes,
-                                 int64_t groups, int64_t count, int64_t m_begin, int64_t m_end, float* y,
-                                 int64_t y_stride) {
-  alignas(64) uint32_t out[kBlockRows][kTileCols];
-  const bool tail = groups % kTileGroups != 0;
-  thread_local TileBuffer<uint8_t> tails;  // each tile's padded_tail copy
-  if (tail) {
-    tails.resize(static_cast<size_t>(count * kTileGroups * kGroupBytes));
-    for (int64_t t = 0; t < count; ++t)
-      padded_tail(w + t * tile_bytes, groups, tails.data() + t * kTileGroups * kGroupBytes);
-  }
+// block(m, rows, t) for rows [m_begin, m_end) in blocks of 32 (the last one shorter), each block
+// across tiles [t_begin, t_end), under one TileScope: the row blocks are the outer loop, so a
+// block's rows stay in L1 across the group's tiles and the tiles' weights in L2 across the
+// blocks, and a block writes its rows' outputs of the whole group side by side. (One tile at a
+// time down all the rows wrote 128 bytes per row and page: a 512-row [576, 3072] product on one
+// core of a Xeon with AMX took 71 ns per step of the loop that way, 56 with 16 tiles per block
+// of rows.) Every amx loop of the linear kernels runs through here (run_tile_blocks).
+template <class Tiles, class Block>
+inline void group_blocks(int64_t t_begin, int64_t t_end, int64_t m_begin, int64_t m_end, const Block& block) {
   TileScope<Tiles> scope;
-  const int64_t y_bytes = y_stride * 4;
   for (int64_t m = m_begin; m < m_end; m += kBlockRows) {
     const int64_t rows = m_end - m < kBlockRows ? m_end - m : kBlockRows;
-    const bool direct = rows == kBlockRows || rows == kTileRows;
-    for (int64_t t = 0; t < count; ++t) {
-      const TileOperands op{a + m * a_stride, a_stride, w + t * tile_bytes, groups,
-                            tail ? tails.data() + t * kTileGroups * kGroupBytes : nullptr};
-      auto* ym = reinterpret_cast<uint8_t*>(y + m * y_stride + t * kTileCols);
-      tile_block_rows<Tiles>(kind, op, rows, direct ? ym : reinterpret_cast<uint8_t*>(&out[0][0]),
-                             direct ? y_bytes : kTileCols * 4, direct);
-      if (!direct)
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(ym + r * y_bytes, out[r], kTileCols * 4);
-    }
+    for (int64_t t = t_begin; t < t_end; ++t) block(m, rows, t);
   }
+}
+
+// group_blocks for `tiles` tiles and M rows on the pool: items of a panel of rows (panel_rows)
+// and a group of tiles (fd_kernels::run_tile_groups).
+template <class Tiles, class Block>
+inline void run_tile_blocks(int64_t M, int64_t tiles, int64_t panel_rows, const Block& block) {
+  fd_kernels::run_tile_groups(M, tiles, panel_rows, [&block](int64_t t_begin, int64_t t_end, int64_t m_begin,
+                                                             int64_t m_end) {
+    group_blocks<Tiles>(t_begin, t_end, m_begin, m_end, block);
+  });
+}
+
+// One block of `rows` rows of one weight tile (op) into y's rows (y: the block's first row and the
+// tile's first column, y_bytes apart; 64-byte aligned): a block of 32 rows (or of 16) straight
+// from the tiles, with y's lines claimed while they multiply, other blocks through a buffer. The
+// caller holds a TileScope.
+template <class Tiles>
+inline void tile_block_into(Kind kind, const TileOperands& op, int64_t rows, uint8_t* y, int64_t y_bytes) {
+  if (rows == kBlockRows || rows == kTileRows) return tile_block_rows<Tiles>(kind, op, rows, y, y_bytes, true);
+  alignas(64) uint32_t out[kBlockRows][kTileCols];
+  tile_block_rows<Tiles>(kind, op, rows, reinterpret_cast<uint8_t*>(&out[0][0]), kTileCols * 4, false);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(y + r * y_bytes, out[r], kTileCols * 4);
 }
 
 // Groups per row of x for the tiles: groups rounded up to 16; rows rounded up to 16.

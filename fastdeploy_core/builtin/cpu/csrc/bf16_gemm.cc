@@ -264,16 +264,23 @@ void gemm_widened_once(const Problem& p) {
 }
 #endif
 
-// The amx path: each item's rows of one tile in blocks of 32 through tiles. xb is [rows rounded
-// up to 16, K2 rounded up to 16] pairs, zero past x (fd_amx::tile_rows reads whole tiles).
+// The amx path: groups of tiles, a block of 32 rows at a time across each group
+// (fd_amx::run_tile_blocks). xb is [rows rounded up to 16, K2 rounded up to 16] pairs, zero past
+// x (the tiles read whole tiles). One block of rows of tile t of p (xb's rows x_stride groups
+// apart) into the block's lines of y:
+template <class Tiles>
+void block_into_y(const Problem& p, int64_t x_stride, int64_t m, int64_t rows, int64_t t) {
+  const fd_amx::PaddedTile tile(p.xb + m * x_stride, x_stride, p.w + t * p.K2 * kPairBytes, p.K2);
+  fd_amx::tile_block_into<Tiles>(fd_amx::Kind::kBf16, tile.op, rows, reinterpret_cast<uint8_t*>(p.y + m * p.N + t * kCols),
+                                 p.N * 4);
+}
+
 template <class Tiles>
 void gemm_amx(const Problem& p, int64_t x_stride) {
-  fd_kernels::run_tile_groups(p.M, p.N / kCols, fd_kernels::panel_rows_for(x_stride * 4),
-                              [&p, x_stride](int64_t t_begin, int64_t t_end, int64_t m_begin, int64_t m_end) {
-                                fd_amx::tile_group_rows_into<Tiles>(
-                                    fd_amx::Kind::kBf16, p.xb, x_stride, p.w + t_begin * p.K2 * kPairBytes,
-                                    p.K2 * kPairBytes, p.K2, t_end - t_begin, m_begin, m_end, p.y + t_begin * kCols, p.N);
-                              });
+  fd_amx::run_tile_blocks<Tiles>(p.M, p.N / kCols, fd_kernels::panel_rows_for(x_stride * 4),
+                                 [&p, x_stride](int64_t m, int64_t rows, int64_t t) {
+                                   block_into_y<Tiles>(p, x_stride, m, rows, t);
+                                 });
 }
 
 // fd_bf16_linear on x [M, K] through the amx loop (Tiles) into y.
@@ -295,39 +302,21 @@ void linear_amx(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K
 template <class Tiles>
 void gate_up_silu_amx(const Problem& p, int64_t x_stride) {
   const int64_t half = p.N / kCols / 2, I = p.N / 2, tile_bytes = p.K2 * kPairBytes;
-  const bool tail = p.K2 % fd_amx::kTileGroups != 0;
-  fd_kernels::run_tile_groups(p.M, half, fd_kernels::panel_rows_for(x_stride * 4),
-                              [&](int64_t t_begin, int64_t t_end, int64_t m_begin, int64_t m_end) {
-    constexpr int64_t kTail = fd_amx::kTileGroups * fd_amx::kGroupBytes;
-    thread_local fd_amx::TileBuffer<uint8_t> tails;  // each gate and up tile's padded_tail copy
-    if (tail) {
-      tails.resize(static_cast<size_t>(2 * (t_end - t_begin) * kTail));
-      for (int64_t t = t_begin; t < t_end; ++t) {
-        fd_amx::padded_tail(p.w + t * tile_bytes, p.K2, tails.data() + 2 * (t - t_begin) * kTail);
-        fd_amx::padded_tail(p.w + (t + half) * tile_bytes, p.K2, tails.data() + (2 * (t - t_begin) + 1) * kTail);
-      }
+  fd_amx::run_tile_blocks<Tiles>(p.M, half, fd_kernels::panel_rows_for(x_stride * 4),
+                                 [&](int64_t m, int64_t rows, int64_t t) {
+    float* ym = p.y + m * I + t * kCols;
+    for (int64_t r = 0; r < rows; ++r) {  // y's lines asked for now, written after both products
+      __builtin_prefetch(ym + r * I, 1, 3);
+      __builtin_prefetch(ym + r * I + 16, 1, 3);
     }
     alignas(64) float g[fd_amx::kBlockRows][kCols], u[fd_amx::kBlockRows][kCols];
-    fd_amx::TileScope<Tiles> scope;
-    for (int64_t m = m_begin; m < m_end; m += fd_amx::kBlockRows) {  // a block of rows across the group's tiles
-      const int64_t rows = std::min<int64_t>(fd_amx::kBlockRows, m_end - m);
-      for (int64_t t = t_begin; t < t_end; ++t) {
-        float* ym = p.y + m * I + t * kCols;
-        for (int64_t r = 0; r < rows; ++r) {  // y's lines asked for now, written after both products
-          __builtin_prefetch(ym + r * I, 1, 3);
-          __builtin_prefetch(ym + r * I + 16, 1, 3);
-        }
-        const uint8_t* tg = tail ? tails.data() + 2 * (t - t_begin) * kTail : nullptr;
-        const fd_amx::TileOperands gate{p.xb + m * x_stride, x_stride, p.w + t * tile_bytes, p.K2, tg};
-        const fd_amx::TileOperands up{p.xb + m * x_stride, x_stride, p.w + (t + half) * tile_bytes, p.K2,
-                                      tail ? tg + kTail : nullptr};
-        fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, gate, rows, reinterpret_cast<uint8_t*>(&g[0][0]), kCols * 4, false);
-        fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, up, rows, reinterpret_cast<uint8_t*>(&u[0][0]), kCols * 4, false);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t h = 0; h < kCols; h += 16)
-            fd_kernels::store16(ym + r * I + h, fd_kernels::silu_mul16(fd_kernels::load16(g[r] + h), fd_kernels::load16(u[r] + h)));
-      }
-    }
+    const fd_amx::PaddedTile gate(p.xb + m * x_stride, x_stride, p.w + t * tile_bytes, p.K2);
+    const fd_amx::PaddedTile up(p.xb + m * x_stride, x_stride, p.w + (t + half) * tile_bytes, p.K2);
+    fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, gate.op, rows, reinterpret_cast<uint8_t*>(&g[0][0]), kCols * 4, false);
+    fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, up.op, rows, reinterpret_cast<uint8_t*>(&u[0][0]), kCols * 4, false);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < kCols; h += 16)
+        fd_kernels::store16(ym + r * I + h, fd_kernels::silu_mul16(fd_kernels::load16(g[r] + h), fd_kernels::load16(u[r] + h)));
   });
 }
 
@@ -339,24 +328,16 @@ void gate_up_silu_amx(const Problem& p, int64_t x_stride) {
 // 12.6 MB written and read again per decode step of 64 rows.
 template <class Tiles>
 void argmax_amx(const Problem& p, int64_t x_stride, int64_t* out) {
-  const int64_t tiles = p.N / kCols, tile_bytes = p.K2 * kPairBytes;
+  const int64_t tiles = p.N / kCols;
   static_assert(kCols == 32, "TileBest takes 32-column tiles");
   fd_kernels::TileBest best(p.M, tiles);
-  fd_kernels::run_tile_groups(p.M, tiles, fd_kernels::panel_rows_for(x_stride * 4),
-                              [&](int64_t t_begin, int64_t t_end, int64_t m_begin, int64_t m_end) {
-    alignas(64) uint8_t tail[fd_amx::kTileGroups * fd_amx::kGroupBytes];
+  fd_amx::run_tile_blocks<Tiles>(p.M, tiles, fd_kernels::panel_rows_for(x_stride * 4),
+                                 [&](int64_t m, int64_t rows, int64_t t) {
     alignas(64) float sums[fd_amx::kBlockRows][kCols];
-    fd_amx::TileScope<Tiles> scope;
-    for (int64_t m = m_begin; m < m_end; m += fd_amx::kBlockRows) {
-      const int64_t rows = std::min<int64_t>(fd_amx::kBlockRows, m_end - m);
-      for (int64_t t = t_begin; t < t_end; ++t) {
-        const uint8_t* w = p.w + t * tile_bytes;
-        const fd_amx::TileOperands op{p.xb + m * x_stride, x_stride, w, p.K2, fd_amx::padded_tail(w, p.K2, tail)};
-        fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, op, rows, reinterpret_cast<uint8_t*>(&sums[0][0]), kCols * 4,
-                                       false);
-        best.put(t, m, rows, sums[0], kCols);
-      }
-    }
+    const fd_amx::PaddedTile tile(p.xb + m * x_stride, x_stride, p.w + t * p.K2 * kPairBytes, p.K2);
+    fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, tile.op, rows, reinterpret_cast<uint8_t*>(&sums[0][0]), kCols * 4,
+                                   false);
+    best.put(t, m, rows, sums[0], kCols);
   });
   best.argmax(kCols, out);
 }
@@ -415,10 +396,11 @@ bool tiles_agree_with_widen(float* worst) {
   const int64_t stride = fd_amx::padded_groups(K2);
   fd_amx::TileBuffer<uint32_t> xp(fd_amx::padded_rows(M) * stride, 0u);
   round_rows(x.data(), M, K, K2, xp.data(), stride);
-  const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.data());
-  // gemm_amx's call for all the tiles at once, without its pool (a forked child has no workers)
-  fd_amx::tile_group_rows_into<Tiles>(fd_amx::Kind::kBf16, xp.data(), stride, wb, K2 * kPairBytes, K2, N / kCols, 0, M,
-                                      tiles.data(), N);
+  // gemm_amx's blocks for all the tiles at once, without its pool (a forked child has no workers)
+  const Problem p{xp.data(), reinterpret_cast<const uint8_t*>(w.data()), tiles.data(), M, K2, N};
+  fd_amx::group_blocks<Tiles>(0, N / kCols, 0, M, [&p, stride](int64_t m, int64_t rows, int64_t t) {
+    block_into_y<Tiles>(p, stride, m, rows, t);
+  });
   bool agree = true;
   *worst = 0.f;
   for (int64_t i = 0; i < M * N; ++i) {

@@ -266,13 +266,12 @@ void block_outputs(const Problem& p, int64_t t, int64_t m, int64_t rows, float* 
   const int64_t a_stride = p.x_stride / kQuad, quads = p.K / kQuad;
   const auto* wt = reinterpret_cast<const uint8_t*>(p.w + t * quads * kQuadBytes);
   const float* ws = p.ws + t * kCols;
-  alignas(64) uint8_t tail[fd_amx::kTileGroups * fd_amx::kGroupBytes];
   alignas(64) int32_t sums[PIECES][fd_amx::kBlockRows][kCols];
-  fd_amx::TileOperands op{nullptr, a_stride, wt, quads, fd_amx::padded_tail(wt, quads, tail)};
+  fd_amx::PaddedTile tile(nullptr, a_stride, wt, quads);
   for (int q = 0; q < PIECES; ++q) {
-    op.a = reinterpret_cast<const uint32_t*>(p.xq + q * p.x_rows * p.x_stride) + m * a_stride;
-    fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kInt8, op, rows, reinterpret_cast<uint8_t*>(&sums[q][0][0]), kCols * 4,
-                                   false);
+    tile.op.a = reinterpret_cast<const uint32_t*>(p.xq + q * p.x_rows * p.x_stride) + m * a_stride;
+    fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kInt8, tile.op, rows, reinterpret_cast<uint8_t*>(&sums[q][0][0]),
+                                   kCols * 4, false);
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* yr = out + r * out_stride;
@@ -285,18 +284,11 @@ void block_outputs(const Problem& p, int64_t t, int64_t m, int64_t rows, float* 
   }
 }
 
-// block(m, rows, t) for each block of 32 rows of each item's panel, across the item's group of
-// tiles (run_tile_groups): a block's codes stay in L1 across the group's tiles, the group's
-// weights in L2 across the blocks, under one TileScope per item.
+// block(m, rows, t) for each block of 32 rows across groups of tiles (fd_amx::run_tile_blocks,
+// as fd_bf16_linear's amx loops), panels sized for the codes of PIECES pieces.
 template <class Tiles, int PIECES, class Block>
 void run_blocks(const Problem& p, int64_t tiles, const Block& block) {
-  fd_kernels::run_tile_groups(p.M, tiles, fd_kernels::panel_rows_for(PIECES * p.x_stride),
-                              [&](int64_t t_begin, int64_t t_end, int64_t m_begin, int64_t m_end) {
-                                fd_amx::TileScope<Tiles> scope;
-                                for (int64_t m = m_begin; m < m_end; m += fd_amx::kBlockRows)
-                                  for (int64_t t = t_begin; t < t_end; ++t)
-                                    block(m, std::min<int64_t>(fd_amx::kBlockRows, m_end - m), t);
-                              });
+  fd_amx::run_tile_blocks<Tiles>(p.M, tiles, fd_kernels::panel_rows_for(PIECES * p.x_stride), block);
 }
 
 template <class Tiles, int PIECES>
