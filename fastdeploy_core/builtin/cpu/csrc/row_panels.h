@@ -102,7 +102,7 @@ inline void run_row_panels(int64_t M, int64_t tiles, const TileRows& tile_rows) 
 
 // group_rows(t_begin, t_end, m_begin, m_end) for the tiles in groups and the M rows in panels of
 // panel_rows, on the pool. Groups of up to kMaxGroupTiles tiles whose weights a panel's row
-// blocks reuse from L2 (fd_amx::tile_group_rows_into); their count the smallest that divides
+// blocks reuse from L2 (fd_amx::group_blocks); their count the smallest that divides
 // the tiles evenly, gives every thread the same number of items and at least two items per
 // thread (one tile per item when none does).
 constexpr int64_t kMaxGroupTiles = 16;
