@@ -9,7 +9,7 @@
 // Tiles: C00..C11 = tmm0..3 (a 32 x 32 block of sums), A0 / A1 = tmm4 / 5 (rows 0-15 / 16-31),
 // B0 / B1 = tmm6 / 7 (columns 0-15 / 16-31), every tile 16 rows x 64 bytes.
 //
-// Two implementations of the tile operations run the same loop (amx_tile_rows):
+// Two implementations of the tile operations run the same loop (group_blocks):
 //   HardwareTiles: the instructions (tileloadd, tdpbf16ps, tdpbssd, ...), emitted as inline
 //     assembly, so the library needs no -mamx flags and still builds for CPUs without AMX; only
 //     called after amx_permitted() said yes.
@@ -383,23 +383,6 @@ struct PaddedTile {
   alignas(64) uint8_t tail[kTileGroups * kGroupBytes];
   TileOperands op;
 };
-
-// Rows [m_begin, m_end) of one weight tile in blocks of 32 rows (two A tiles) and one block of
-// the rest: store(m, rows, out) gets each block's sums.
-template <class Tiles, class Store>
-inline void tile_rows(Kind kind, const uint32_t* a, int64_t a_stride, const uint8_t* w, int64_t groups,
-                      int64_t m_begin, int64_t m_end, const Store& store) {
-  alignas(64) uint8_t tail[kTileGroups * kGroupBytes];
-  alignas(64) uint32_t out[kBlockRows][kTileCols];
-  TileOperands op{nullptr, a_stride, w, groups, padded_tail(w, groups, tail)};
-  TileScope<Tiles> scope;
-  for (int64_t m = m_begin; m < m_end; m += kBlockRows) {
-    const int64_t rows = m_end - m < kBlockRows ? m_end - m : kBlockRows;
-    op.a = a + m * a_stride;
-    tile_block_rows<Tiles>(kind, op, rows, reinterpret_cast<uint8_t*>(&out[0][0]), kTileCols * 4, false);
-    store(m, rows, out);
-  }
-}
 
 // block(m, rows, t) for rows [m_begin, m_end) in blocks of 32 (the last one shorter), each block
 // across tiles [t_begin, t_end), under one TileScope: the row blocks are the outer loop, so a

@@ -345,16 +345,19 @@ bool tiles_sum_exactly() {
   fd_amx::TileBuffer<uint32_t> a(fd_amx::padded_rows(M) * stride, 0u);
   for (int64_t m = 0; m < M; ++m) std::memcpy(a.data() + m * stride, x.data() + m * K, K);
   bool exact = true;
-  fd_amx::tile_rows<Tiles>(fd_amx::Kind::kInt8, a.data(), stride, reinterpret_cast<const uint8_t*>(w.data()),
-                           K / kQuad, 0, M, [&](int64_t m, int64_t n_rows, const uint32_t (*out)[fd_amx::kTileCols]) {
-                             for (int64_t r = 0; r < n_rows; ++r)
-                               for (int64_t n = 0; n < N; ++n) {
-                                 int32_t sum = 0;
-                                 for (int64_t k = 0; k < K; ++k)
-                                   sum += x[(m + r) * K + k] * w[(k / kQuad) * kQuadBytes + n * kQuad + k % kQuad];
-                                 exact = exact && static_cast<int32_t>(out[r][n]) == sum;
-                               }
-                           });
+  const auto* wb = reinterpret_cast<const uint8_t*>(w.data());
+  fd_amx::group_blocks<Tiles>(0, 1, 0, M, [&](int64_t m, int64_t n_rows, int64_t) {
+    alignas(64) int32_t out[fd_amx::kBlockRows][fd_amx::kTileCols];
+    const fd_amx::PaddedTile tile(a.data() + m * stride, stride, wb, K / kQuad);
+    fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kInt8, tile.op, n_rows, reinterpret_cast<uint8_t*>(&out[0][0]),
+                                   fd_amx::kTileCols * 4, false);
+    for (int64_t r = 0; r < n_rows; ++r)
+      for (int64_t n = 0; n < N; ++n) {
+        int32_t sum = 0;
+        for (int64_t k = 0; k < K; ++k) sum += x[(m + r) * K + k] * w[(k / kQuad) * kQuadBytes + n * kQuad + k % kQuad];
+        exact = exact && out[r][n] == sum;
+      }
+  });
   return exact;
 }
 
