@@ -286,6 +286,19 @@ struct ModelTiles {
   }
 };
 
+// f(HardwareTiles{}) when `hardware`, else f(ModelTiles{}): a kernel's amx loop, written once as
+// a generic lambda, on the instructions or on their model (callers have refused the instructions
+// where amx_permitted says no; off x86-64 there are none, and the model runs).
+template <class F>
+inline void on_tiles(bool hardware, const F& f) {
+#if defined(__x86_64__)
+  if (hardware) return f(HardwareTiles{});
+#else
+  (void)hardware;
+#endif
+  f(ModelTiles{});
+}
+
 // Configures this thread's tiles for a scope and releases them after.
 template <class Tiles>
 struct TileScope {

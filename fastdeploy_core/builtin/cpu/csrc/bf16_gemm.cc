@@ -268,19 +268,29 @@ void gemm_widened_once(const Problem& p) {
 // (fd_amx::run_tile_blocks). xb is [rows rounded up to 16, K2 rounded up to 16] pairs, zero past
 // x (the tiles read whole tiles). One block of rows of tile t of p (xb's rows x_stride groups
 // apart) into the block's lines of y:
+// Weight tile t of p against the block of rows from m (xb's rows x_stride groups apart).
+fd_amx::PaddedTile weight_tile(const Problem& p, int64_t x_stride, int64_t m, int64_t t) {
+  return fd_amx::PaddedTile(p.xb + m * x_stride, x_stride, p.w + t * p.K2 * kPairBytes, p.K2);
+}
+
 template <class Tiles>
 void block_into_y(const Problem& p, int64_t x_stride, int64_t m, int64_t rows, int64_t t) {
-  const fd_amx::PaddedTile tile(p.xb + m * x_stride, x_stride, p.w + t * p.K2 * kPairBytes, p.K2);
-  fd_amx::tile_block_into<Tiles>(fd_amx::Kind::kBf16, tile.op, rows, reinterpret_cast<uint8_t*>(p.y + m * p.N + t * kCols),
-                                 p.N * 4);
+  fd_amx::tile_block_into<Tiles>(fd_amx::Kind::kBf16, weight_tile(p, x_stride, m, t).op, rows,
+                                 reinterpret_cast<uint8_t*>(p.y + m * p.N + t * kCols), p.N * 4);
+}
+
+// block(m, rows, t) for every block of rows of `tiles` tiles of p (fd_amx::run_tile_blocks), the
+// panels sized for xb's rows.
+template <class Tiles, class Block>
+void run_blocks(const Problem& p, int64_t x_stride, int64_t tiles, const Block& block) {
+  fd_amx::run_tile_blocks<Tiles>(p.M, tiles, fd_kernels::panel_rows_for(x_stride * 4), block);
 }
 
 template <class Tiles>
 void gemm_amx(const Problem& p, int64_t x_stride) {
-  fd_amx::run_tile_blocks<Tiles>(p.M, p.N / kCols, fd_kernels::panel_rows_for(x_stride * 4),
-                                 [&p, x_stride](int64_t m, int64_t rows, int64_t t) {
-                                   block_into_y<Tiles>(p, x_stride, m, rows, t);
-                                 });
+  run_blocks<Tiles>(p, x_stride, p.N / kCols, [&p, x_stride](int64_t m, int64_t rows, int64_t t) {
+    block_into_y<Tiles>(p, x_stride, m, rows, t);
+  });
 }
 
 // fd_bf16_linear on x [M, K] through the amx loop (Tiles) into y.
@@ -301,17 +311,15 @@ void linear_amx(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K
 // a 512-row [576, 3072] gate/up projection wrote 6 MB of it and fd_silu_mul read it back.
 template <class Tiles>
 void gate_up_silu_amx(const Problem& p, int64_t x_stride) {
-  const int64_t half = p.N / kCols / 2, I = p.N / 2, tile_bytes = p.K2 * kPairBytes;
-  fd_amx::run_tile_blocks<Tiles>(p.M, half, fd_kernels::panel_rows_for(x_stride * 4),
-                                 [&](int64_t m, int64_t rows, int64_t t) {
+  const int64_t half = p.N / kCols / 2, I = p.N / 2;
+  run_blocks<Tiles>(p, x_stride, half, [&](int64_t m, int64_t rows, int64_t t) {
     float* ym = p.y + m * I + t * kCols;
     for (int64_t r = 0; r < rows; ++r) {  // y's lines asked for now, written after both products
       __builtin_prefetch(ym + r * I, 1, 3);
       __builtin_prefetch(ym + r * I + 16, 1, 3);
     }
     alignas(64) float g[fd_amx::kBlockRows][kCols], u[fd_amx::kBlockRows][kCols];
-    const fd_amx::PaddedTile gate(p.xb + m * x_stride, x_stride, p.w + t * tile_bytes, p.K2);
-    const fd_amx::PaddedTile up(p.xb + m * x_stride, x_stride, p.w + (t + half) * tile_bytes, p.K2);
+    const fd_amx::PaddedTile gate = weight_tile(p, x_stride, m, t), up = weight_tile(p, x_stride, m, t + half);
     fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, gate.op, rows, reinterpret_cast<uint8_t*>(&g[0][0]), kCols * 4, false);
     fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, up.op, rows, reinterpret_cast<uint8_t*>(&u[0][0]), kCols * 4, false);
     for (int64_t r = 0; r < rows; ++r)
@@ -331,12 +339,10 @@ void argmax_amx(const Problem& p, int64_t x_stride, int64_t* out) {
   const int64_t tiles = p.N / kCols;
   static_assert(kCols == 32, "TileBest takes 32-column tiles");
   fd_kernels::TileBest best(p.M, tiles);
-  fd_amx::run_tile_blocks<Tiles>(p.M, tiles, fd_kernels::panel_rows_for(x_stride * 4),
-                                 [&](int64_t m, int64_t rows, int64_t t) {
+  run_blocks<Tiles>(p, x_stride, tiles, [&](int64_t m, int64_t rows, int64_t t) {
     alignas(64) float sums[fd_amx::kBlockRows][kCols];
-    const fd_amx::PaddedTile tile(p.xb + m * x_stride, x_stride, p.w + t * p.K2 * kPairBytes, p.K2);
-    fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, tile.op, rows, reinterpret_cast<uint8_t*>(&sums[0][0]), kCols * 4,
-                                   false);
+    fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, weight_tile(p, x_stride, m, t).op, rows,
+                                   reinterpret_cast<uint8_t*>(&sums[0][0]), kCols * 4, false);
     best.put(t, m, rows, sums[0], kCols);
   });
   best.argmax(kCols, out);
@@ -472,10 +478,10 @@ std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x_in, const paddle:
     const paddle::Tensor x = x_in.contiguous();
     const int64_t M = K > 0 ? x.numel() / K : 0;
     const auto* w = static_cast<const uint8_t*>(weight.data());
-#if defined(__x86_64__)
-    if (amx) return linear_amx<fd_amx::HardwareTiles>(x.data<float>(), w, out.data<float>(), M, K, K2, N);
-#endif
-    if (path == kAmxModel) return linear_amx<fd_amx::ModelTiles>(x.data<float>(), w, out.data<float>(), M, K, K2, N);
+    if (amx || path == kAmxModel)
+      return fd_amx::on_tiles(amx, [&](auto tiles) {
+        linear_amx<decltype(tiles)>(x.data<float>(), w, out.data<float>(), M, K, K2, N);
+      });
     gemm(Problem{rounded_rows(x.data<float>(), M, K, K2, M, K2), w, out.data<float>(), M, K2, N}, dot);
   });
   return {out};
@@ -496,10 +502,7 @@ std::vector<paddle::Tensor> Bf16LinearSilu(const paddle::Tensor& x_in, const pad
     const int64_t stride = fd_amx::padded_groups(K2);
     const uint32_t* xb = rounded_rows(x.data<float>(), M, K, K2, fd_amx::padded_rows(M), stride);
     const Problem p{xb, static_cast<const uint8_t*>(weight.data()), out.data<float>(), M, K2, N};
-#if defined(__x86_64__)
-    if (path == kAmx) return gate_up_silu_amx<fd_amx::HardwareTiles>(p, stride);
-#endif
-    gate_up_silu_amx<fd_amx::ModelTiles>(p, stride);
+    fd_amx::on_tiles(path == kAmx, [&](auto tiles) { gate_up_silu_amx<decltype(tiles)>(p, stride); });
   });
   return {out};
 }
@@ -577,13 +580,8 @@ std::vector<paddle::Tensor> Bf16LinearArgmax(const paddle::Tensor& x_in, const p
   const int64_t stride = fd_amx::padded_groups(K2);
   const uint32_t* xb = rounded_rows(x.data<float>(), M, K, K2, fd_amx::padded_rows(M), stride);
   const Problem p{xb, static_cast<const uint8_t*>(weight.data()), nullptr, M, K2, N};
-  if (M > 0) {
-#if defined(__x86_64__)
-    if (path == kAmx) argmax_amx<fd_amx::HardwareTiles>(p, stride, out.data<int64_t>());
-    else
-#endif
-      argmax_amx<fd_amx::ModelTiles>(p, stride, out.data<int64_t>());
-  }
+  if (M > 0)
+    fd_amx::on_tiles(path == kAmx, [&](auto tiles) { argmax_amx<decltype(tiles)>(p, stride, out.data<int64_t>()); });
   return {out};
 }
 

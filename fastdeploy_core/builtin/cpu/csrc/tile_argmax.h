@@ -4,11 +4,11 @@
 // NaN or -inf only gives 0).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
-#include "row_panels.h"
 #include "vector_math.h"
 
 namespace fd_kernels {

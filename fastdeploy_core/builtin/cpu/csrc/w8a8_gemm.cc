@@ -50,6 +50,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -380,11 +381,19 @@ Path path_for(int64_t path, int64_t M) {
 
 template <int PIECES>
 void gemm_on(const Problem& p, Path path) {
-#if defined(__x86_64__)
-  if (path == kAmx) return gemm_amx<fd_amx::HardwareTiles, PIECES>(p);
-#endif
-  if (path == kAmxModel) return gemm_amx<fd_amx::ModelTiles, PIECES>(p);
+  if (path == kAmx || path == kAmxModel)
+    return fd_amx::on_tiles(path == kAmx, [&](auto tiles) { gemm_amx<decltype(tiles), PIECES>(p); });
   gemm<PIECES>(p);
+}
+
+// f(tiles, pieces) for an amx path (2: the instructions, else their model) and 1 or 2 pieces,
+// both as types (pieces a std::integral_constant): the fused kernels' dispatch.
+template <class F>
+void on_tiles_and_pieces(int64_t path, int64_t pieces, const F& f) {
+  fd_amx::on_tiles(path == kAmx, [&](auto tiles) {
+    if (pieces == 1) f(tiles, std::integral_constant<int, 1>{});
+    else f(tiles, std::integral_constant<int, 2>{});
+  });
 }
 
 std::vector<int64_t> out_shape(const std::vector<int64_t>& x_shape, int64_t n) {
@@ -456,12 +465,7 @@ std::vector<paddle::Tensor> W8a8LinearSilu(const paddle::Tensor& x_in, const pad
     const Problem p{rows.q.data(), rows.bias.data(), rows.scale.data(), static_cast<const int8_t*>(weight.data()),
                     scale.data<float>(), out.data<float>(), M, K, N, rows.rows, rows.stride};
     if (M == 0) return;
-#if defined(__x86_64__)
-    if (path == kAmx) return pieces == 1 ? gate_up_silu_amx<fd_amx::HardwareTiles, 1>(p)
-                                         : gate_up_silu_amx<fd_amx::HardwareTiles, 2>(p);
-#endif
-    if (pieces == 1) return gate_up_silu_amx<fd_amx::ModelTiles, 1>(p);
-    gate_up_silu_amx<fd_amx::ModelTiles, 2>(p);
+    on_tiles_and_pieces(path, pieces, [&](auto tiles, auto n) { gate_up_silu_amx<decltype(tiles), decltype(n)::value>(p); });
   });
   return {out};
 }
@@ -530,17 +534,8 @@ std::vector<paddle::Tensor> W8a8LinearArgmax(const paddle::Tensor& x_in, const p
   const Problem p{rows.q.data(), rows.bias.data(), rows.scale.data(), static_cast<const int8_t*>(weight.data()),
                   scale.data<float>(), nullptr, M, K, N, rows.rows, rows.stride};
   int64_t* tokens = out.data<int64_t>();
-  if (M > 0) {
-#if defined(__x86_64__)
-    if (path == kAmx) {
-      if (pieces == 1) argmax_amx<fd_amx::HardwareTiles, 1>(p, tokens);
-      else argmax_amx<fd_amx::HardwareTiles, 2>(p, tokens);
-      return {out};
-    }
-#endif
-    if (pieces == 1) argmax_amx<fd_amx::ModelTiles, 1>(p, tokens);
-    else argmax_amx<fd_amx::ModelTiles, 2>(p, tokens);
-  }
+  if (M > 0)
+    on_tiles_and_pieces(path, pieces, [&](auto tiles, auto n) { argmax_amx<decltype(tiles), decltype(n)::value>(p, tokens); });
   return {out};
 }
 
