@@ -46,9 +46,15 @@ inline bool cpu_has_dot() { return fd_kernels::cpu_has_bf16_dot(); }
 // The smallest multiple of ln 2 >= x, lane by lane (-inf stays -inf).
 inline f32x16 ln2_ceiling(f32x16 x) {
   constexpr float kLog2e = 1.44269504088896340736f, kLn2 = 0.693147180559945309417f;
+#if defined(__AVX512F__)
+  // ceil as one rounding instruction (toward +inf, exact like std::ceil; NaN stays NaN)
+  const f32x16 up = (f32x16)_mm512_roundscale_ps((__m512)(x * kLog2e), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+  return fd_kernels::select(x == -__builtin_inff(), x, up * kLn2);
+#else
   f32x16 r;
   for (int i = 0; i < 16; ++i) r[i] = x[i] == -__builtin_inff() ? x[i] : std::ceil(x[i] * kLog2e) * kLn2;
   return r;
+#endif
 }
 
 // The float32 bits of x rounded to bfloat16 (nearest, ties to even; low half zero); a NaN stays
@@ -65,6 +71,14 @@ inline float round_float(float x) {
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
+}
+
+// 16 floats rounded the same way (round_float lane by lane: a NaN stays a quiet NaN).
+inline f32x16 round_floats16(f32x16 x) {
+  const u32x16 u = fd_kernels::bitcast<u32x16>(x);
+  const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const u32x16 nan = (u | 0x00400000u) & 0xffff0000u;
+  return fd_kernels::bitcast<f32x16>(fd_kernels::select((u & 0x7fffffffu) > 0x7f800000u, nan, rounded));
 }
 
 // 16 weights (finite, >= 0: exp of a difference) rounded the same way.
