@@ -75,6 +75,30 @@ def test_rne_helper_and_paddle_cast_agree():
     assert list(rne_bf16(ties[:3])) == [0x3F80, 0x3F82, 0xBF80]
 
 
+@pytest.mark.parametrize("tokens", [3, 80], ids=["calling_thread", "pool"])
+def test_bf16_cache_write_rounds_specials_as_paddle_on_every_token(tokens, cpu_kernels):
+    """Values written into a bfloat16 cache, a few tokens (the calling thread) or a prompt's (16
+    at a time on the pool, 16 lanes at a time): Paddle's cast bit for bit, ties to even, infinities
+    kept, a NaN as 0x7fff, each token into its own slot (slots out of order)."""
+    rng = np.random.default_rng(5)
+    nb = blocks_for(tokens, BS) + 1
+    specials = np.array([np.nan, np.inf, -np.inf, 1 + 2**-8, 1 + 3 * 2**-8, -0.0, 1e-40, 3.0e38], np.float32)
+    qkv = rng.standard_normal((tokens, (HEADS + 2 * KV_HEADS) * D)).astype(np.float32)
+    v = qkv[:, (HEADS + KV_HEADS) * D:]
+    v[:, : specials.size] = specials  # the values are stored unrotated: exactly these inputs
+    slots = rng.permutation(nb * BS)[:tokens].astype(np.int64)
+    k, vc = bf16_tensor(np.zeros((nb, BS, KV_HEADS, D), np.uint16)), bf16_tensor(np.zeros((nb, BS, KV_HEADS, D), np.uint16))
+    table = paddle.to_tensor(cos_sin_cache(D, tokens).astype(np.float32))
+    cpu_kernels.fd_rope_write_kv(paddle.to_tensor(qkv), paddle.to_tensor(np.arange(tokens, dtype=np.int64)), table,
+                                 k, vc, paddle.to_tensor(slots), HEADS, KV_HEADS)
+    stored = bits_of(vc).reshape(nb * BS, KV_HEADS * D)[slots]
+    want = bits_of(paddle.to_tensor(v).astype("bfloat16"))
+    np.testing.assert_array_equal(stored, want)
+    assert list(stored[0, : specials.size]) == [0x7FFF, 0x7F80, 0xFF80, 0x3F80, 0x3F82, 0x8000, 0x0001, 0x7F62]
+    untouched = np.setdiff1d(np.arange(nb * BS), slots)
+    assert not bits_of(vc).reshape(nb * BS, -1)[untouched].any()
+
+
 def _case(specs, seed=0, nb=None):
     rng = np.random.default_rng(seed)
     nb = nb or sum(blocks_for(q + c, BS) for q, c in specs) + 3
