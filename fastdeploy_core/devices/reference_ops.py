@@ -238,8 +238,9 @@ class ReferenceOps:
         return F.linear(x, weight, bias)
 
     def bf16_linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
-        """The linear layers of ``--dtype bfloat16``: float32 ``x [..., in]``, bfloat16 ``weight
-        [in, out]`` (or the layout :meth:`prepare_linear_weight` gave it) -> float32 ``[..., out]``.
+        """The linear layers of ``--dtype bfloat16``: float32 ``x [..., in]`` (or bfloat16, values
+        already rounded), bfloat16 ``weight [in, out]`` (or the layout :meth:`prepare_linear_weight`
+        gave it) -> float32 ``[..., out]``.
 
         ``x`` is rounded to bfloat16 (round to nearest, ties to even, as Paddle's cast), each
         product of two bfloat16 values is exact in float32, and the products are summed in

@@ -217,14 +217,16 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         CPU's best, 1 widen, 2 ``vdpbf16ps``, 3 AMX tiles, 4 the tile loop on a software model of
         the instructions; ``None`` = :attr:`bf16_path`), else the reference
         formula; see :meth:`ReferenceOps.bf16_linear`."""
-        if weight.ndim != 4 or x.dtype != paddle.float32 or not (self._have_kernels or self._ready()):
+        if weight.ndim != 4 or x.dtype not in (paddle.float32, paddle.bfloat16) or not (self._have_kernels or self._ready()):
             return ReferenceOps.bf16_linear(self, x, weight, bias)
         return add_bias(_run("fd_bf16_linear", x, weight, self.bf16_path if path is None else int(path))[0], bias)
 
     def bf16_linear_silu_and_mul(self, x, weight, bias=None) -> paddle.Tensor:
         """``silu_and_mul(bf16_linear(x, weight, bias))`` (a merged gate/up projection): in one
         kernel, ``fd_bf16_linear_silu``, when this process's bf16 linears multiply in AMX tiles
-        (their product never goes through memory; the bits are the two ops'), else the two ops."""
+        (their product never goes through memory), else the two ops. The kernel returns the
+        SwiGLU rounded to bfloat16, the two ops' bits rounded as :meth:`bf16_linear` rounds its
+        input: the down projection after it (a bf16 linear) computes the same either way."""
         if weight.ndim == 4 and weight.shape[0] % 2 == 0 and self._bf16_fuses(x, bias):
             return _run("fd_bf16_linear_silu", x, weight, 3)[0]
         return self.silu_and_mul(self.bf16_linear(x, weight, bias))

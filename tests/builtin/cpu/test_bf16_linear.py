@@ -274,6 +274,17 @@ def test_a_captured_bf16_linear_replays_on_refreshed_input(ops, restore_ops):
 # ---- fd_bf16_linear_silu: a merged gate/up projection and its SwiGLU in one op -------------------
 
 
+def rne_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest, ties to even (no NaN here)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def widen_bits(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (Paddle hands bfloat16 to numpy as uint16) -> float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
 def silu_and_mul_numpy(y: np.ndarray) -> np.ndarray:
     """silu(gate) * up of the two halves, float32, within float32 rounding of the kernels' formula."""
     gate, up = np.split(y.astype(np.float64), 2, axis=-1)
@@ -290,12 +301,14 @@ def silu_and_mul_numpy(y: np.ndarray) -> np.ndarray:
 def test_fused_swiglu_is_the_linear_then_silu_and_mul_bit_for_bit(ops, path, m, k, n):
     x, bits = case(np.random.default_rng(m + k + n + 7), m, k, n)
     packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
-    fused = load_kernels().fd_bf16_linear_silu(paddle.to_tensor(x), packed, path).numpy()
+    fused = load_kernels().fd_bf16_linear_silu(paddle.to_tensor(x), packed, path)
+    assert fused.dtype == paddle.bfloat16 and fused.shape == [m, n // 2]
     product = ops.bf16_linear(paddle.to_tensor(x), packed, path=path)
-    np.testing.assert_array_equal(fused, ops.silu_and_mul(product).numpy())
+    two_ops = ops.silu_and_mul(product).numpy()
+    # the two ops' float32 values rounded to bfloat16 as fd_bf16_linear rounds its input
+    np.testing.assert_array_equal(fused.numpy(), rne_bits(two_ops))
     # ...and that is SwiGLU of the tile order's sums (not of another product of the same weights)
-    np.testing.assert_allclose(fused, silu_and_mul_numpy(emulate_tiles(x, bits)), rtol=1e-5, atol=1e-6)
-    assert fused.shape == (m, n // 2)
+    np.testing.assert_allclose(widen_bits(fused.numpy()), silu_and_mul_numpy(emulate_tiles(x, bits)), rtol=2**-8, atol=1e-6)
 
 
 def test_fused_swiglu_refuses_what_it_cannot_take(ops):
@@ -320,11 +333,39 @@ def test_ops_fuse_the_swiglu_only_where_the_linears_take_tiles(ops, bias, cpu_ke
     packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
     b = paddle.to_tensor(np.random.default_rng(12).standard_normal(128).astype(np.float32)) if bias else None
     called = cpu_kernel_calls
-    got = ops.bf16_linear_silu_and_mul(paddle.to_tensor(x), packed, b).numpy()
+    got = ops.bf16_linear_silu_and_mul(paddle.to_tensor(x), packed, b)
     fused = AMX_IN_USE and not bias and ops.bf16_path == AUTO
     assert called == (["fd_bf16_linear_silu"] if fused else ["fd_bf16_linear", "fd_silu_mul"])
-    want = ops.silu_and_mul(ops.bf16_linear(paddle.to_tensor(x), packed, b)).numpy()
+    want = ops.silu_and_mul(ops.bf16_linear(paddle.to_tensor(x), packed, b))
+    # the kernel's SwiGLU is bfloat16 (rounded once, there), the two ops' float32: the down
+    # projection after either computes the same bits
+    assert got.dtype == (paddle.bfloat16 if fused else paddle.float32)
+    np.testing.assert_array_equal(got.numpy(), rne_bits(want.numpy()) if fused else want.numpy())
+    _, down = case(np.random.default_rng(13), 1, 64, 64)
+    down = ops.prepare_linear_weight(paddle.to_tensor(down))
+    np.testing.assert_array_equal(ops.bf16_linear(got, down).numpy(), ops.bf16_linear(want, down).numpy())
+
+
+@pytest.mark.parametrize("path", PATHS + AMX_PATHS)
+@pytest.mark.parametrize(
+    "m,k,n,offset",
+    # rows a multiple of 16 and K whole tiles of pairs: read in place (when 64-byte aligned: also a
+    # view one 128-byte row in); rows that are not, K with a tail of a tile (100, 62), and rows
+    # that start off a 64-byte line (a view one 144-byte row in): copied first
+    [(32, 64, 64, 0), (48, 64, 64, 1), (17, 576, 96, 0), (40, 100, 64, 0), (5, 62, 32, 0), (48, 72, 64, 1)],
+)
+def test_bfloat16_rows_give_what_their_float32_values_give(ops, path, m, k, n, offset):
+    """x already rounded to bfloat16 (fd_bf16_linear_silu's output) is read as it is: the same
+    bits as the float32 values it holds, on every path, read in place or copied."""
+    x, bits = case(np.random.default_rng(m + k + n), m + offset, k, n)
+    packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+    rows = paddle.to_tensor(x).astype("bfloat16")[offset:]
+    assert rows.dtype == paddle.bfloat16
+    got = load_kernels().fd_bf16_linear(rows, packed, path).numpy()
+    want = load_kernels().fd_bf16_linear(paddle.to_tensor(widen_bits(rows.numpy())), packed, path).numpy()
     np.testing.assert_array_equal(got, want)
+    assert got.shape == (m, n) and not np.array_equal(want, load_kernels().fd_bf16_linear(
+        paddle.to_tensor(x[offset:] * 1.01), packed, path).numpy())
 
 
 # ---- fd_bf16_linear_argmax: a bfloat16 LM head's greedy tokens without the logits ----------------

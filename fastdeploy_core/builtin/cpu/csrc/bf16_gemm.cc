@@ -9,7 +9,8 @@
 //
 // Activations. Each call first rounds the rows of x to bfloat16 (round to nearest, ties to
 // even; NaN stays NaN; subnormals are rounded like any value), as Paddle's astype("bfloat16")
-// does: the reference formula is x.astype(bf16) @ W.astype(float32).
+// does: the reference formula is x.astype(bf16) @ W.astype(float32). x may also be bfloat16 rows
+// that a kernel before already rounded (fd_bf16_linear_silu's SwiGLU), read as they are.
 //
 // Two paths compute the same sums in the same order, so they agree bit for bit (the products of
 // two bfloat16 values are exact in float32; only the additions round):
@@ -123,16 +124,48 @@ void round_rows(const float* x, int64_t M, int64_t K, int64_t K2, uint32_t* xb, 
 // zeros past K2 and past M), in this thread's buffer, which the next call on the thread reuses.
 // The pool's threads round 16-row chunks side by side. (A fresh buffer per call cost a 512-row
 // call of K = 1536 ~300 us of page faults and zeroing on one thread, beside ~100 us of AMX work.)
-const uint32_t* rounded_rows(const float* x, int64_t M, int64_t K, int64_t K2, int64_t rows, int64_t stride) {
+uint32_t* row_buffer(int64_t rows, int64_t stride) {
   thread_local fd_amx::TileBuffer<uint32_t> buffer;
   if (buffer.size() < static_cast<size_t>(rows * stride)) buffer.resize(static_cast<size_t>(rows * stride));
-  uint32_t* xb = buffer.data();
+  return buffer.data();
+}
+
+const uint32_t* rounded_rows(const float* x, int64_t M, int64_t K, int64_t K2, int64_t rows, int64_t stride) {
+  uint32_t* xb = row_buffer(rows, stride);
   fd_kernels::run_row_chunks<16>(M, [=](int64_t m0, int64_t m1) {
     round_rows(x + m0 * K, m1 - m0, K, K2, xb + m0 * stride, stride);
     for (int64_t m = m0; stride > K2 && m < m1; ++m) std::fill(xb + m * stride + K2, xb + (m + 1) * stride, 0u);
   });
   std::fill(xb + M * stride, xb + rows * stride, 0u);
   return xb;
+}
+
+// bfloat16 rows of x (already rounded: fd_bf16_linear_silu's output, say) as the GEMM's pairs:
+// read in place when they already are its layout (K even, K2 = stride, rows = M, 64-byte
+// aligned), else copied into the buffer rounded_rows fills, zeros past K and M. (A bfloat16 x
+// gives what its float32 widening gives: rounding a bfloat16 value changes nothing.)
+const uint32_t* bf16_rows(const uint16_t* x, int64_t M, int64_t K, int64_t K2, int64_t rows, int64_t stride) {
+  if (K == 2 * K2 && stride == K2 && rows == M && reinterpret_cast<uintptr_t>(x) % 64 == 0)
+    return reinterpret_cast<const uint32_t*>(x);
+  uint32_t* xb = row_buffer(rows, stride);
+  fd_kernels::run_row_chunks<16>(M, [=](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      uint32_t* out = xb + m * stride;
+      std::memcpy(out, x + m * K, K * sizeof(uint16_t));
+      uint16_t* halves = reinterpret_cast<uint16_t*>(out);
+      std::fill(halves + K, halves + 2 * stride, uint16_t{0});
+    }
+  });
+  std::fill(xb + M * stride, xb + rows * stride, 0u);
+  return xb;
+}
+
+// x's rows (float32, rounded here, or bfloat16) as the GEMM's bf16 pairs: `rows` rows of `stride`
+// pairs (see rounded_rows).
+const uint32_t* pair_rows(const paddle::Tensor& x, int64_t M, int64_t K, int64_t K2, int64_t rows, int64_t stride) {
+  if (x.dtype() == paddle::DataType::BFLOAT16)
+    return bf16_rows(static_cast<const uint16_t*>(x.data()), M, K, K2, rows, stride);
+  return rounded_rows(x.data<float>(), M, K, K2, rows, stride);
 }
 
 struct Problem {
@@ -293,11 +326,11 @@ void gemm_amx(const Problem& p, int64_t x_stride) {
   });
 }
 
-// fd_bf16_linear on x [M, K] through the amx loop (Tiles) into y.
+// fd_bf16_linear on x [M, K] (float32 or bfloat16) through the amx loop (Tiles) into y.
 template <class Tiles>
-void linear_amx(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t K2, int64_t N) {
+void linear_amx(const paddle::Tensor& x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t K2, int64_t N) {
   const int64_t stride = fd_amx::padded_groups(K2);
-  const uint32_t* xb = rounded_rows(x, M, K, K2, fd_amx::padded_rows(M), stride);
+  const uint32_t* xb = pair_rows(x, M, K, K2, fd_amx::padded_rows(M), stride);
   gemm_amx<Tiles>(Problem{xb, w, y, M, K2, N}, stride);
 }
 
@@ -310,21 +343,25 @@ void linear_amx(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K
 // the two ops bit for bit, without the [M, N] product going through memory: on a Xeon with AMX
 // a 512-row [576, 3072] gate/up projection wrote 6 MB of it and fd_silu_mul read it back.
 template <class Tiles>
-void gate_up_silu_amx(const Problem& p, int64_t x_stride) {
+void gate_up_silu_amx(const Problem& p, int64_t x_stride, uint16_t* y) {
   const int64_t half = p.N / kCols / 2, I = p.N / 2;
   run_blocks<Tiles>(p, x_stride, half, [&](int64_t m, int64_t rows, int64_t t) {
-    float* ym = p.y + m * I + t * kCols;
-    for (int64_t r = 0; r < rows; ++r) {  // y's lines asked for now, written after both products
+    uint16_t* ym = y + m * I + t * kCols;
+    for (int64_t r = 0; r < rows; ++r)  // y's line asked for now, written after both products
       __builtin_prefetch(ym + r * I, 1, 3);
-      __builtin_prefetch(ym + r * I + 16, 1, 3);
-    }
     alignas(64) float g[fd_amx::kBlockRows][kCols], u[fd_amx::kBlockRows][kCols];
     const fd_amx::PaddedTile gate = weight_tile(p, x_stride, m, t), up = weight_tile(p, x_stride, m, t + half);
     fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, gate.op, rows, reinterpret_cast<uint8_t*>(&g[0][0]), kCols * 4, false);
     fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, up.op, rows, reinterpret_cast<uint8_t*>(&u[0][0]), kCols * 4, false);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t h = 0; h < kCols; h += 16)
-        fd_kernels::store16(ym + r * I + h, fd_kernels::silu_mul16(fd_kernels::load16(g[r] + h), fd_kernels::load16(u[r] + h)));
+    for (int64_t r = 0; r < rows; ++r) {  // the 32 values rounded to bfloat16 as round_rows does
+      using fd_kernels::bitcast;
+      const u32x16 a = round_bf16_lanes(bitcast<u32x16>(fd_kernels::silu_mul16(fd_kernels::load16(g[r]), fd_kernels::load16(u[r]))));
+      const u32x16 b = round_bf16_lanes(
+          bitcast<u32x16>(fd_kernels::silu_mul16(fd_kernels::load16(g[r] + 16), fd_kernels::load16(u[r] + 16))));
+      u32x16 even, odd;
+      fd_kernels::deinterleave(a, b, &even, &odd);
+      fd_kernels::store(reinterpret_cast<uint32_t*>(ym + r * I), (even >> 16u) | (odd & 0xFFFF0000u));
+    }
   });
 }
 
@@ -448,7 +485,8 @@ struct Shape {
   int64_t K, K2, N;
 };
 Shape checked_inputs(const paddle::Tensor& x, const paddle::Tensor& weight, int64_t path, bool tiles_only) {
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 || (!tiles_only && x.dtype() == paddle::DataType::BFLOAT16),
+           tiles_only ? "x must be float32" : "x must be float32 or bfloat16");
   PD_CHECK(weight.dtype() == paddle::DataType::BFLOAT16, "weight must be bfloat16");
   const auto& ws = weight.shape();
   PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == 2, "weight must be packed [N / 32, K2, 32, 2]");
@@ -479,30 +517,33 @@ std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x_in, const paddle:
     const int64_t M = K > 0 ? x.numel() / K : 0;
     const auto* w = static_cast<const uint8_t*>(weight.data());
     if (amx || path == kAmxModel)
-      return fd_amx::on_tiles(amx, [&](auto tiles) {
-        linear_amx<decltype(tiles)>(x.data<float>(), w, out.data<float>(), M, K, K2, N);
-      });
-    gemm(Problem{rounded_rows(x.data<float>(), M, K, K2, M, K2), w, out.data<float>(), M, K2, N}, dot);
+      return fd_amx::on_tiles(amx, [&](auto tiles) { linear_amx<decltype(tiles)>(x, w, out.data<float>(), M, K, K2, N); });
+    gemm(Problem{pair_rows(x, M, K, K2, M, K2), w, out.data<float>(), M, K2, N}, dot);
   });
   return {out};
 }
 
 // silu(gate) * up of the linear's two output halves (SwiGLU on a merged gate/up projection),
 // through AMX tiles: `path` 3 the instructions (an error without AMX-BF16 tiles), 4 their
-// software model. fd_bf16_linear on the same path followed by fd_silu_mul gives the same bits.
+// software model. bfloat16 [M, N / 2]: fd_bf16_linear on the same path followed by fd_silu_mul,
+// rounded to bfloat16 as fd_bf16_linear rounds its input, bit for bit; what the next bf16 linear
+// (the down projection) reads as it is, so the SwiGLU crosses memory in half the bytes and is
+// rounded once, here (a 2,048-row step wrote 12.6 MB of float32 and the down projection read
+// and rounded them again).
 std::vector<paddle::Tensor> Bf16LinearSilu(const paddle::Tensor& x_in, const paddle::Tensor& weight, int64_t path) {
   const Shape shape = checked_inputs(x_in, weight, path, true);
   const int64_t K = shape.K, K2 = shape.K2, N = shape.N;
   PD_CHECK(N % (2 * kCols) == 0, "the gate and up halves must be whole tiles of 32 columns each (N = ", N,
            " is not a multiple of 64)");
-  auto out = fd_graph::empty(out_shape(x_in.shape(), N / 2), paddle::DataType::FLOAT32);
+  auto out = fd_graph::empty(out_shape(x_in.shape(), N / 2), paddle::DataType::BFLOAT16);
   fd_graph::run("fd_bf16_linear_silu", {&x_in, &weight}, {&out}, [=]() mutable {
     const paddle::Tensor x = x_in.contiguous();
     const int64_t M = K > 0 ? x.numel() / K : 0;
     const int64_t stride = fd_amx::padded_groups(K2);
     const uint32_t* xb = rounded_rows(x.data<float>(), M, K, K2, fd_amx::padded_rows(M), stride);
-    const Problem p{xb, static_cast<const uint8_t*>(weight.data()), out.data<float>(), M, K2, N};
-    fd_amx::on_tiles(path == kAmx, [&](auto tiles) { gate_up_silu_amx<decltype(tiles)>(p, stride); });
+    const Problem p{xb, static_cast<const uint8_t*>(weight.data()), nullptr, M, K2, N};
+    auto* y = static_cast<uint16_t*>(out.data());
+    fd_amx::on_tiles(path == kAmx, [&](auto tiles) { gate_up_silu_amx<decltype(tiles)>(p, stride, y); });
   });
   return {out};
 }
@@ -559,13 +600,17 @@ std::vector<std::vector<int64_t>> Bf16SiluShape(const std::vector<int64_t>& x, c
   return {out_shape(x, w[0] * kCols / 2)};
 }
 
+std::vector<paddle::DataType> Bf16SiluDtype(const paddle::DataType&, const paddle::DataType&) {
+  return {paddle::DataType::BFLOAT16};
+}
+
 PD_BUILD_OP(fd_bf16_linear_silu)
     .Inputs({"X", "Weight"})
     .Outputs({"Out"})
     .Attrs({"path: int64_t"})
     .SetKernelFn(PD_KERNEL(Bf16LinearSilu))
     .SetInferShapeFn(PD_INFER_SHAPE(Bf16SiluShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(Bf16Dtype));
+    .SetInferDtypeFn(PD_INFER_DTYPE(Bf16SiluDtype));
 
 // Each row's argmax of x W (first index on ties, NaN as -inf: fd_argmax of fd_bf16_linear's
 // output, the same tokens) through AMX tiles, without the logits: `path` 3 the instructions, 4
