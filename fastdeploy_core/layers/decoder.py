@@ -122,6 +122,11 @@ class DecoderAttention(nn.Layer):
             self.num_heads, dims.head_dim, self.num_kv_heads, sliding_window=dims.layer_windows[layer_index]
         )
 
+    @property
+    def takes_bf16_rows(self) -> bool:
+        """Whether ``hidden`` may come as bfloat16 rows: the QKV projection takes them."""
+        return self.qkv_proj.takes_bf16_rows
+
     def forward(self, positions: paddle.Tensor, hidden: paddle.Tensor, kv_cache, meta: ForwardMeta) -> paddle.Tensor:
         qkv = self.qkv_proj(hidden)
         if self.q_norm is not None:
@@ -166,6 +171,11 @@ class GatedMLP(nn.Layer):
         )
         self.act_fn = get_gated_activation(hidden_act)
 
+    @property
+    def takes_bf16_rows(self) -> bool:
+        """Whether ``x`` may come as bfloat16 rows: the gate/up projection takes them."""
+        return self.gate_up_proj.takes_bf16_rows
+
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if isinstance(self.act_fn, SiluAndMul):  # the projection's method may fuse the two
             return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
@@ -192,13 +202,17 @@ class DecoderLayer(nn.Layer):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
+        # The normed rows go to the blocks as bfloat16 where their first layer takes them so
+        # (bfloat16 linears: the same result, and the rounding done in the norm's own pass).
+        attn_bf16 = getattr(self.self_attn, "takes_bf16_rows", False)
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, bf16_rows=attn_bf16)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, bf16_rows=attn_bf16)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual,
+                                                         bf16_rows=getattr(self.mlp, "takes_bf16_rows", False))
         return self.mlp(hidden), residual
 
 

@@ -172,6 +172,11 @@ class Linear(nn.Layer):
             )
         param.set_value(array)
 
+    @property
+    def takes_bf16_rows(self) -> bool:
+        """Whether :meth:`forward` takes bfloat16 rows as well as float32 (its method's say)."""
+        return bool(getattr(self.quant_method, "takes_bf16_rows", False))
+
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.tp_mode == "row":
             return tp_group().all_reduce(self.quant_method.apply(self, x))

@@ -30,8 +30,15 @@ class RMSNorm(nn.Layer):
         """Copy a checkpoint vector of shape ``[hidden_size]`` into ``param``."""
         copy_into(param, loaded, "RMSNorm weight")
 
-    def forward(self, x: paddle.Tensor, residual: paddle.Tensor | None = None):
+    def forward(self, x: paddle.Tensor, residual: paddle.Tensor | None = None, bf16_rows: bool = False):
+        """``bf16_rows``: the caller's next layer takes bfloat16 rows (a bfloat16 linear): where
+        the ops table has ``rms_norm_bf16_rows`` the normed rows come rounded to bfloat16 (the
+        same values that layer would round them to), else float32."""
         ops = current_ops()
+        to_bf16 = getattr(ops, "rms_norm_bf16_rows", None) if bf16_rows else None
+        if to_bf16 is not None:
+            normed, summed = to_bf16(x, residual, self.weight, self.eps)
+            return normed if residual is None else (normed, summed)
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -68,6 +68,9 @@ class QuantizerBase(LinearMethodBase):
     config_class: ClassVar[type[QuantizerConfig]] = QuantizerConfig
     #: Name of the device op that runs this method (``ops.<device_op>(x, *op_args, bias)``).
     device_op: ClassVar[str | None] = None
+    #: Whether :meth:`apply` takes ``x`` as bfloat16 rows too (the same result as the float32
+    #: values they hold): a norm before the layer may then write bfloat16.
+    takes_bf16_rows = False
     #: Name of a device op computing ``silu_and_mul`` of :attr:`device_op`'s output in one call
     #: (``ops.<fused_silu_op>(x, *op_args, bias)``), which a merged gate/up projection uses when
     #: the ops table has it (:meth:`apply_silu_and_mul`).

@@ -39,6 +39,9 @@ class BFloat16Linear(QuantizerBase):
     fused_silu_op = "bf16_linear_silu_and_mul"
     fused_argmax_op = "bf16_linear_argmax"
     requires_device_support = False  # the dtype check (config.check_dtype) is what asks the device
+    #: ``ops.bf16_linear`` reads bfloat16 rows as it reads float32 ones it rounds: a norm before
+    #: the layer may round its output itself (``ops.rms_norm_bf16_rows``).
+    takes_bf16_rows = True
     #: bfloat16 keeps 8 significant bits: Gaussian layers land ~3e-3 (relative) from float32.
     expected_error = 0.01
 

@@ -106,6 +106,26 @@ def test_bf16_eager_equals_captured(tiny):
         assert [o.new_logprobs for o in captured[rid]] == [o.new_logprobs for o in eager[rid]]
 
 
+def test_bf16_norms_hand_the_linears_rounded_rows_with_the_same_results(tiny, cpu_kernel_calls, monkeypatch):
+    """With bfloat16 linears the decoder's norms write their rows rounded to bfloat16 (the cpu
+    table's ``rms_norm_bf16_rows``), which the QKV and gate/up projections read as they are: the
+    same tokens and logprobs, bit for bit, as float32 rows those projections round themselves."""
+    from fastdeploy_core.builtin.cpu.ops import CpuOps
+
+    path, _, _ = tiny
+    rounded_in_norm = _run(_core(path, dtype="bfloat16", enforce_eager=True))
+    norms = [name for name in cpu_kernel_calls if "rms_norm" in name]
+    assert {"fd_rms_norm_bf16", "fd_add_rms_norm_bf16"} <= set(norms), sorted(set(norms))
+    assert "fd_add_rms_norm" in norms  # the final norm, before the head, stays float32
+    monkeypatch.setattr(CpuOps, "rms_norm_bf16_rows", None)  # a table without it: float32 rows
+    cpu_kernel_calls.clear()
+    rounded_in_linear = _run(_core(path, dtype="bfloat16", enforce_eager=True))
+    assert not [name for name in cpu_kernel_calls if name.endswith("rms_norm_bf16")]
+    for rid in rounded_in_norm:
+        assert [o.new_token_ids for o in rounded_in_norm[rid]] == [o.new_token_ids for o in rounded_in_linear[rid]]
+        assert [o.new_logprobs for o in rounded_in_norm[rid]] == [o.new_logprobs for o in rounded_in_linear[rid]]
+
+
 def test_bf16_with_a_quantization_method_is_refused(tiny):
     path, _, _ = tiny
     for method in ("wint4", "wint8"):

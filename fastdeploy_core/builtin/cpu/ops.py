@@ -240,9 +240,9 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         return self.argmax_rows(self.bf16_linear(x, weight, bias))
 
     def _bf16_fuses(self, x, bias) -> bool:
-        """Whether a fused bf16 kernel takes ``x``: no bias, float32 rows, and ``fd_bf16_linear``'s
+        """Whether a fused bf16 kernel takes ``x``: no bias, float32 (or bfloat16) rows, and ``fd_bf16_linear``'s
         auto path multiplying in AMX tiles in this process."""
-        return (bias is None and x.dtype == paddle.float32 and self.bf16_path == 0
+        return (bias is None and x.dtype in (paddle.float32, paddle.bfloat16) and self.bf16_path == 0
                 and self._tiles_in_use("fd_bf16_amx_state"))
 
     #: int4 layers (``wint4``, ``w4a8``) take the VNNI layout when the kernels have integer dot
@@ -338,6 +338,18 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         if not (self._have_kernels or self._ready()) or x.dtype != paddle.float32:
             return ReferenceOps.add_rms_norm(self, x, residual, weight, eps)
         normed, summed = _run("fd_add_rms_norm", x, residual, weight, eps)
+        return normed, summed
+
+    def rms_norm_bf16_rows(self, x, residual, weight, eps: float):
+        """:meth:`add_rms_norm` (``residual`` may be ``None``) for a bfloat16 linear layer after
+        it: the normed rows rounded to bfloat16 in the norm's own pass (``fd_add_rms_norm_bf16``,
+        ``fd_rms_norm_bf16``), as :meth:`bf16_linear` rounds its float32 input, so the linear
+        computes the same bits from them; float32 rows where the kernels cannot run."""
+        if not (self._have_kernels or self._ready()) or x.dtype != paddle.float32:
+            return self.add_rms_norm(x, residual, weight, eps)
+        if residual is None:
+            return _run("fd_rms_norm_bf16", x, weight, eps)[0], x
+        normed, summed = _run("fd_add_rms_norm_bf16", x, residual, weight, eps)
         return normed, summed
 
     def silu_and_mul(self, x: paddle.Tensor) -> paddle.Tensor:

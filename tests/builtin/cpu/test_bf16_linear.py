@@ -280,6 +280,13 @@ def rne_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def linear_input_bits(x: np.ndarray) -> np.ndarray:
+    """:func:`rne_bits` with a NaN as fd_bf16_linear rounds it: a quiet NaN of its sign and top bits."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), rne_bits(np.where(nan, 0, x)))
+
+
 def widen_bits(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bits (Paddle hands bfloat16 to numpy as uint16) -> float32."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
@@ -366,6 +373,29 @@ def test_bfloat16_rows_give_what_their_float32_values_give(ops, path, m, k, n, o
     np.testing.assert_array_equal(got, want)
     assert got.shape == (m, n) and not np.array_equal(want, load_kernels().fd_bf16_linear(
         paddle.to_tensor(x[offset:] * 1.01), packed, path).numpy())
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (70, 576), (600, 64), (3, 100), (5, 17)])
+def test_norms_round_their_rows_as_the_bf16_linear_rounds_its_input(ops, rows, hidden):
+    """``fd_rms_norm_bf16`` / ``fd_add_rms_norm_bf16`` (``CpuOps.rms_norm_bf16_rows``): the float32
+    norms' rows rounded to bfloat16 as ``fd_bf16_linear`` rounds its input (nearest, ties to even,
+    a NaN quiet), the residual sum unchanged; whole vectors of 32, a tail, one row and the pool's
+    chunks; and a bf16 linear after them gives what it gives from the float32 rows."""
+    rng = np.random.default_rng(rows + hidden)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    residual = rng.standard_normal((rows, hidden)).astype(np.float32)
+    weight = paddle.to_tensor(rng.standard_normal(hidden).astype(np.float32))
+    x[0, hidden // 2] = np.nan  # that row's values all turn NaN: quiet NaNs of the float32 NaNs' sign
+    for res in (None, paddle.to_tensor(residual)):
+        normed, summed = ops.rms_norm_bf16_rows(paddle.to_tensor(x), res, weight, 1e-6)
+        want, want_sum = ops.add_rms_norm(paddle.to_tensor(x), res, weight, 1e-6)
+        assert normed.dtype == paddle.bfloat16 and list(normed.shape) == [rows, hidden]
+        np.testing.assert_array_equal(normed.numpy(), linear_input_bits(want.numpy()))
+        np.testing.assert_array_equal(summed.numpy(), want_sum.numpy())
+    if hidden % 2 == 0 and rows > 1:
+        _, bits = case(rng, 1, hidden, 64)
+        packed = ops.prepare_linear_weight(paddle.to_tensor(bits))
+        np.testing.assert_array_equal(ops.bf16_linear(normed[1:], packed).numpy(), ops.bf16_linear(want[1:], packed).numpy())
 
 
 # ---- fd_bf16_linear_argmax: a bfloat16 LM head's greedy tokens without the logits ----------------

@@ -83,19 +83,8 @@ enum Path : int64_t { kAuto = 0, kWiden = 1, kDot = 2, kAmx = 3, kAmxModel = 4 }
 
 using fd_kernels::cpu_has_bf16_dot;
 
-// float32 -> bfloat16 bits, round to nearest even (Paddle's cast); NaN -> a quiet NaN.
-inline uint16_t to_bf16(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);
-  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-
-inline u32x16 round_bf16_lanes(u32x16 b) {
-  const u32x16 rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-  const u32x16 nan = (b & 0xFFFF0000u) | 0x00400000u;
-  return fd_kernels::select((b & 0x7FFFFFFFu) > 0x7F800000u, nan, rounded);
-}
+using fd_kernels::round_bf16_lanes;
+using fd_kernels::to_bf16;
 
 // Row m of x as bf16 pairs: xb[m * stride + j] holds x[2j] in its low and x[2j + 1] in its
 // high half, rounded; an odd K ends with a zero half. (Every path reads these 32-bit pairs.)
@@ -105,12 +94,7 @@ void round_rows(const float* x, int64_t M, int64_t K, int64_t K2, uint32_t* xb, 
     uint32_t* out = xb + m * stride;
     int64_t j = 0;
     for (; 2 * j + 32 <= K; j += 16) {
-      const u32x16 a = round_bf16_lanes(fd_kernels::load<u32x16>(reinterpret_cast<const uint32_t*>(row + 2 * j)));
-      const u32x16 b = round_bf16_lanes(fd_kernels::load<u32x16>(reinterpret_cast<const uint32_t*>(row + 2 * j + 16)));
-      // Pairs (2i, 2i+1): low half from the even float, high half from the odd one.
-      u32x16 even, odd;
-      fd_kernels::deinterleave(a, b, &even, &odd);
-      fd_kernels::store(out + j, (even >> 16u) | (odd & 0xFFFF0000u));
+      fd_kernels::store(out + j, fd_kernels::bf16_pairs32(fd_kernels::load16(row + 2 * j), fd_kernels::load16(row + 2 * j + 16)));
     }
     for (; j < K2; ++j) {
       const uint32_t lo = to_bf16(row[2 * j]);
@@ -353,15 +337,10 @@ void gate_up_silu_amx(const Problem& p, int64_t x_stride, uint16_t* y) {
     const fd_amx::PaddedTile gate = weight_tile(p, x_stride, m, t), up = weight_tile(p, x_stride, m, t + half);
     fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, gate.op, rows, reinterpret_cast<uint8_t*>(&g[0][0]), kCols * 4, false);
     fd_amx::tile_block_rows<Tiles>(fd_amx::Kind::kBf16, up.op, rows, reinterpret_cast<uint8_t*>(&u[0][0]), kCols * 4, false);
-    for (int64_t r = 0; r < rows; ++r) {  // the 32 values rounded to bfloat16 as round_rows does
-      using fd_kernels::bitcast;
-      const u32x16 a = round_bf16_lanes(bitcast<u32x16>(fd_kernels::silu_mul16(fd_kernels::load16(g[r]), fd_kernels::load16(u[r]))));
-      const u32x16 b = round_bf16_lanes(
-          bitcast<u32x16>(fd_kernels::silu_mul16(fd_kernels::load16(g[r] + 16), fd_kernels::load16(u[r] + 16))));
-      u32x16 even, odd;
-      fd_kernels::deinterleave(a, b, &even, &odd);
-      fd_kernels::store(reinterpret_cast<uint32_t*>(ym + r * I), (even >> 16u) | (odd & 0xFFFF0000u));
-    }
+    for (int64_t r = 0; r < rows; ++r)  // the 32 values rounded to bfloat16 as round_rows does
+      fd_kernels::store(reinterpret_cast<uint32_t*>(ym + r * I),
+                        fd_kernels::bf16_pairs32(fd_kernels::silu_mul16(fd_kernels::load16(g[r]), fd_kernels::load16(u[r])),
+                                                 fd_kernels::silu_mul16(fd_kernels::load16(g[r] + 16), fd_kernels::load16(u[r] + 16))));
   });
 }
 
@@ -485,8 +464,8 @@ struct Shape {
   int64_t K, K2, N;
 };
 Shape checked_inputs(const paddle::Tensor& x, const paddle::Tensor& weight, int64_t path, bool tiles_only) {
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 || (!tiles_only && x.dtype() == paddle::DataType::BFLOAT16),
-           tiles_only ? "x must be float32" : "x must be float32 or bfloat16");
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 || x.dtype() == paddle::DataType::BFLOAT16,
+           "x must be float32 or bfloat16");
   PD_CHECK(weight.dtype() == paddle::DataType::BFLOAT16, "weight must be bfloat16");
   const auto& ws = weight.shape();
   PD_CHECK(ws.size() == 4 && ws[2] == kCols && ws[3] == 2, "weight must be packed [N / 32, K2, 32, 2]");
@@ -540,7 +519,7 @@ std::vector<paddle::Tensor> Bf16LinearSilu(const paddle::Tensor& x_in, const pad
     const paddle::Tensor x = x_in.contiguous();
     const int64_t M = K > 0 ? x.numel() / K : 0;
     const int64_t stride = fd_amx::padded_groups(K2);
-    const uint32_t* xb = rounded_rows(x.data<float>(), M, K, K2, fd_amx::padded_rows(M), stride);
+    const uint32_t* xb = pair_rows(x, M, K, K2, fd_amx::padded_rows(M), stride);
     const Problem p{xb, static_cast<const uint8_t*>(weight.data()), nullptr, M, K2, N};
     auto* y = static_cast<uint16_t*>(out.data());
     fd_amx::on_tiles(path == kAmx, [&](auto tiles) { gate_up_silu_amx<decltype(tiles)>(p, stride, y); });
@@ -616,14 +595,14 @@ PD_BUILD_OP(fd_bf16_linear_silu)
 // output, the same tokens) through AMX tiles, without the logits: `path` 3 the instructions, 4
 // their software model. int64 [M].
 std::vector<paddle::Tensor> Bf16LinearArgmax(const paddle::Tensor& x_in, const paddle::Tensor& weight, int64_t path) {
-  PD_CHECK(x_in.shape().size() == 2, "x must be float32 [M, K]");
+  PD_CHECK(x_in.shape().size() == 2, "x must be [M, K]");
   const Shape shape = checked_inputs(x_in, weight, path, true);
   const int64_t K = shape.K, K2 = shape.K2, N = shape.N, M = x_in.shape()[0];
   PD_CHECK(N < (int64_t{1} << 31), "more than 2^31 columns");
   auto out = paddle::empty({M}, paddle::DataType::INT64, paddle::CPUPlace());
   const paddle::Tensor x = x_in.contiguous();
   const int64_t stride = fd_amx::padded_groups(K2);
-  const uint32_t* xb = rounded_rows(x.data<float>(), M, K, K2, fd_amx::padded_rows(M), stride);
+  const uint32_t* xb = pair_rows(x, M, K, K2, fd_amx::padded_rows(M), stride);
   const Problem p{xb, static_cast<const uint8_t*>(weight.data()), nullptr, M, K2, N};
   if (M > 0)
     fd_amx::on_tiles(path == kAmx, [&](auto tiles) { argmax_amx<decltype(tiles)>(p, stride, out.data<int64_t>()); });

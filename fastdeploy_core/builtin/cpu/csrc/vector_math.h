@@ -203,6 +203,31 @@ __attribute__((always_inline)) inline f32x16 exp16(f32x16 x_in) {
   return select(x_in < lo, f32x16{}, e);
 }
 
+// float32 -> bfloat16 bits, round to nearest, ties to even (Paddle's cast); a NaN -> a quiet NaN
+// of its sign and top payload bits. What fd_bf16_linear rounds its input with (bf16_gemm.cc), and
+// every kernel that writes rows for it.
+inline uint16_t to_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+// to_bf16 of 16 lanes of float32 bits, in each lane's high half (the low half zero).
+inline u32x16 round_bf16_lanes(u32x16 b) {
+  const u32x16 rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  const u32x16 nan = (b & 0xFFFF0000u) | 0x00400000u;
+  return select((b & 0x7FFFFFFFu) > 0x7F800000u, nan, rounded);
+}
+
+// 32 consecutive floats (a: values 0-15, b: 16-31) as to_bf16 pairs: lane i holds value 2i in its
+// low half and value 2i + 1 in its high half, the bfloat16 row [32] as 16 32-bit words.
+inline u32x16 bf16_pairs32(f32x16 a, f32x16 b) {
+  u32x16 even, odd;
+  deinterleave(round_bf16_lanes(bitcast<u32x16>(a)), round_bf16_lanes(bitcast<u32x16>(b)), &even, &odd);
+  return (even >> 16u) | (odd & 0xFFFF0000u);
+}
+
 // silu(g) * u for 16 lanes (SwiGLU): g * sigmoid(g) * u, the sigmoid from exp(-|g|) (no overflow
 // for any g): fd_silu_mul's formula, and fd_bf16_linear_silu's epilogue, which must give its bits.
 inline f32x16 silu_mul16(f32x16 g, f32x16 u) {
