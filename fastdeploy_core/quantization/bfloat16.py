@@ -12,10 +12,14 @@ Q/K/V, gate/up), tied heads and GGUF tensors fill it like any weight-only method
   bfloat16 the same way and sums the exact products in float32; the output is float32. A merged
   gate/up projection asks for ``ops.bf16_linear_silu_and_mul`` (the SwiGLU of the product's
   halves in one op) where the device has it, and a head's greedy tokens
-  ``ops.bf16_linear_argmax`` (no logits).
+  ``ops.bf16_linear_argmax`` (no logits). ``x`` may also arrive as bfloat16 rows already rounded
+  the same way (:attr:`BFloat16Linear.takes_bf16_rows`): the cpu table's fused SwiGLU returns its
+  rows so, and the decoder's norms write them so before the QKV and gate/up projections
+  (``ops.rms_norm_bf16_rows``); the products are the same.
 
-Everything else the model computes stays float32: the token embedding, norms, rotary,
-attention, softmax, the KV cache, MoE experts (refused for now) and the sampler.
+Everything else the model computes stays float32: the token embedding, norms (their arithmetic;
+only the rows they hand a bfloat16 linear are rounded), rotary, attention, softmax, the KV cache,
+MoE experts (refused for now) and the sampler.
 """
 
 from __future__ import annotations
