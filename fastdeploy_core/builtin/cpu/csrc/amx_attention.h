@@ -79,39 +79,6 @@ inline void gather_keys(const uint16_t* k16, const int64_t* off, int64_t nk, int
   std::memset(kb + nk * d, 0, (round_up(nk, 32) - nk) * d * sizeof(uint16_t));
 }
 
-// 16 vectors of 16 32-bit lanes transposed in place: v[i][c] becomes v[c][i].
-__attribute__((always_inline)) inline void transpose16(fd_kernels::u32x16* v) {
-#if defined(__AVX512F__)
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = (__m512i)v[i];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: rows 2i and 2i + 1 interleaved
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + k]: lane L holds column 4L + k of rows 4i .. 4i + 3
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
-    const __m512i u0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), u1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
-    const __m512i w0 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44), w1 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
-    v[k] = (fd_kernels::u32x16)_mm512_shuffle_i32x4(u0, w0, 0x88);
-    v[4 + k] = (fd_kernels::u32x16)_mm512_shuffle_i32x4(u0, w0, 0xDD);
-    v[8 + k] = (fd_kernels::u32x16)_mm512_shuffle_i32x4(u1, w1, 0x88);
-    v[12 + k] = (fd_kernels::u32x16)_mm512_shuffle_i32x4(u1, w1, 0xDD);
-  }
-#else
-  for (int i = 0; i < 16; ++i)
-    for (int c = i + 1; c < 16; ++c) {
-      const uint32_t x = v[i][c];
-      v[i][c] = v[c][i];
-      v[c][i] = x;
-    }
-#endif
-}
-
 // The softmax weights of a tile's keys for rows rv .. rv + 15, straight into wa: p = exp(st[j *
 // mp + rv + i] - m_use) for keys j < nk (the other paths' exponentials, the same values), added
 // to the returned sum in two chains, the even keys' and the odd keys' (each in key order; one
@@ -148,7 +115,7 @@ inline fd_kernels::f32x16 exp_weight_rows(const float* st, int64_t nk, int64_t m
       }
       pair[q] = lo | hi;
     }
-    transpose16(pair);
+    fd_kernels::transpose16(pair);
     for (int64_t i = 0; i < rows; ++i) fd_kernels::store(wa + (rv + i) * ps + p0, pair[i]);
   }
   return sum_even + sum_odd;

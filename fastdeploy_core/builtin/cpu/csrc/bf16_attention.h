@@ -132,8 +132,24 @@ inline void pack_value_pairs(const uint16_t* v16, const int64_t* off, int64_t nk
 // Rounded queries (float32 values qr[r * d + c] that are bfloat16) as k pairs, transposed:
 // qp[i * mp + r] = q_r[2 i] | q_r[2 i + 1] << 16 for every padded row r < mp.
 inline void pack_query_pairs(const float* qr, int64_t mp, int64_t d, uint32_t* qp) {
+  // 16 rows x 16 pairs at a time: each row's pairs in a vector, the 16 vectors transposed, each
+  // then one pair of the 16 rows (a store per 16 values instead of one per value).
+  const int64_t blocked = mp % 16 == 0 ? d / 32 * 16 : 0;
+  for (int64_t r0 = 0; r0 < mp && blocked > 0; r0 += 16)
+    for (int64_t i0 = 0; i0 < blocked; i0 += 16) {
+      u32x16 v[16];
+      for (int k = 0; k < 16; ++k) {
+        const float* row = qr + (r0 + k) * d + 2 * i0;
+        u32x16 even, odd;
+        fd_kernels::deinterleave(fd_kernels::load<u32x16>(reinterpret_cast<const uint32_t*>(row)),
+                                 fd_kernels::load<u32x16>(reinterpret_cast<const uint32_t*>(row + 16)), &even, &odd);
+        v[k] = (even >> 16u) | (odd & 0xffff0000u);
+      }
+      fd_kernels::transpose16(v);
+      for (int c = 0; c < 16; ++c) fd_kernels::store(qp + (i0 + c) * mp + r0, v[c]);
+    }
   for (int64_t r = 0; r < mp; ++r) {
-    for (int64_t i = 0; i < d / 2; ++i) {
+    for (int64_t i = blocked; i < d / 2; ++i) {
       uint32_t a, b;
       std::memcpy(&a, qr + r * d + 2 * i, 4);
       std::memcpy(&b, qr + r * d + 2 * i + 1, 4);

@@ -203,6 +203,39 @@ __attribute__((always_inline)) inline f32x16 exp16(f32x16 x_in) {
   return select(x_in < lo, f32x16{}, e);
 }
 
+// 16 vectors of 16 32-bit lanes transposed in place: v[i][c] becomes v[c][i].
+__attribute__((always_inline)) inline void transpose16(u32x16* v) {
+#if defined(__AVX512F__)
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = (__m512i)v[i];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: rows 2i and 2i + 1 interleaved
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + k]: lane L holds column 4L + k of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
+    const __m512i u0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), u1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44), w1 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+    v[k] = (u32x16)_mm512_shuffle_i32x4(u0, w0, 0x88);
+    v[4 + k] = (u32x16)_mm512_shuffle_i32x4(u0, w0, 0xDD);
+    v[8 + k] = (u32x16)_mm512_shuffle_i32x4(u1, w1, 0x88);
+    v[12 + k] = (u32x16)_mm512_shuffle_i32x4(u1, w1, 0xDD);
+  }
+#else
+  for (int i = 0; i < 16; ++i)
+    for (int c = i + 1; c < 16; ++c) {
+      const uint32_t x = v[i][c];
+      v[i][c] = v[c][i];
+      v[c][i] = x;
+    }
+#endif
+}
+
 // float32 -> bfloat16 bits, round to nearest, ties to even (Paddle's cast); a NaN -> a quiet NaN
 // of its sign and top payload bits. What fd_bf16_linear rounds its input with (bf16_gemm.cc), and
 // every kernel that writes rows for it.
