@@ -318,14 +318,15 @@ void linear_amx(const paddle::Tensor& x, const uint8_t* w, float* y, int64_t M, 
   gemm_amx<Tiles>(Problem{xb, w, y, M, K2, N}, stride);
 }
 
-// fd_bf16_linear_silu's loop: p.y [M, N / 2] = silu(gate) * up, gate and up the two halves of the
-// [M, N] product (columns [0, N / 2) and [N / 2, N)), each item's group of tiles (run_tile_groups)
-// one block of 32 rows at a time, for each tile t of the group gate tile t and up tile t + N / 64:
-// both blocks' sums into L1 buffers, then the SwiGLU of the pair into y's lines, claimed while
-// the tiles multiply. The sums are fd_bf16_linear's amx path's (the tile
-// order depends on K alone) and the epilogue is fd_silu_mul's formula, so the result is that of
-// the two ops bit for bit, without the [M, N] product going through memory: on a Xeon with AMX
-// a 512-row [576, 3072] gate/up projection wrote 6 MB of it and fd_silu_mul read it back.
+// fd_bf16_linear_silu's loop: y [M, N / 2] (bfloat16) = silu(gate) * up, gate and up the two
+// halves of the [M, N] product (columns [0, N / 2) and [N / 2, N)), each item's group of tiles
+// (run_tile_groups) one block of 32 rows at a time, for each tile t of the group gate tile t and up
+// tile t + N / 64: both blocks' sums into L1 buffers, then the SwiGLU of the pair, rounded to
+// bfloat16 (to_bf16), into y's line, claimed while the tiles multiply. The sums are
+// fd_bf16_linear's amx path's (the tile order depends on K alone) and the epilogue is
+// fd_silu_mul's formula, so the result is that of the two ops, rounded, bit for bit, without the
+// [M, N] product going through memory: on a Xeon with AMX a 512-row [576, 3072] gate/up
+// projection wrote 6 MB of it and fd_silu_mul read it back.
 template <class Tiles>
 void gate_up_silu_amx(const Problem& p, int64_t x_stride, uint16_t* y) {
   const int64_t half = p.N / kCols / 2, I = p.N / 2;
