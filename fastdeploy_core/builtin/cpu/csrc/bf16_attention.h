@@ -73,12 +73,9 @@ inline float round_float(float x) {
   return f;
 }
 
-// 16 floats rounded the same way (round_float lane by lane: a NaN stays a quiet NaN).
+// 16 floats rounded the same way (round_float lane by lane: vector_math.h's round_bf16_lanes).
 inline f32x16 round_floats16(f32x16 x) {
-  const u32x16 u = fd_kernels::bitcast<u32x16>(x);
-  const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  const u32x16 nan = (u | 0x00400000u) & 0xffff0000u;
-  return fd_kernels::bitcast<f32x16>(fd_kernels::select((u & 0x7fffffffu) > 0x7f800000u, nan, rounded));
+  return fd_kernels::bitcast<f32x16>(fd_kernels::round_bf16_lanes(fd_kernels::bitcast<u32x16>(x)));
 }
 
 // 16 weights (finite, >= 0: exp of a difference) rounded the same way.

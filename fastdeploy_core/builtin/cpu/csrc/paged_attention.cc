@@ -71,14 +71,11 @@ inline uint16_t to_bf16(float x) {
 inline void round_bf16(const float* x, uint16_t* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {  // to_bf16 on 16 lanes
-    const __m512i u = _mm512_loadu_si512(x + i);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i bits = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fff));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(bits));
+  for (; i + 16 <= n; i += 16) {  // to_bf16 on 16 lanes: the shared rounding, a NaN as Paddle's 0x7fff
+    const fd_kernels::u32x16 u = fd_kernels::load<fd_kernels::u32x16>(reinterpret_cast<const uint32_t*>(x + i));
+    const fd_kernels::u32x16 bits =
+        select((u & 0x7fffffffu) > 0x7f800000u, fd_kernels::u32x16{} + 0x7fffu, fd_kernels::round_bf16_lanes(u) >> 16u);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16((__m512i)bits));
   }
 #endif
   for (; i < n; ++i) out[i] = to_bf16(x[i]);
