@@ -4,9 +4,9 @@ to bfloat16, float32 sums; its ``vdpbf16ps`` path and its widening path.
 Both paths sum each output in one fixed order (per pair of k: the odd k, then the even k), so
 each is compared bit for bit with a numpy emulation of that order, on every path this CPU can
 run (the widening path is forced through the op's ``path`` argument, so it runs everywhere; the
-dot path needs AVX-512 BF16). Without AVX-512 the widening path of a call with more than 4 rows
-widens each tile once and runs fd_f32_linear's loop over a buffer in the same order: the cases
-with 5 or more rows run that, fewer rows the per-block widening. Against the reference formula (``ReferenceOps.bf16_linear``, any
+dot path needs AVX-512 BF16). The widening path of a call with more than 4 rows (AVX2) or 10
+rows (AVX-512) widens each tile once and runs fd_f32_linear's loop over a buffer in the same
+order: the cases with 5 / 11 or more rows run that, fewer rows the per-block widening. Against the reference formula (``ReferenceOps.bf16_linear``, any
 summation order) the comparison is a float32 tolerance.
 
 The AMX path (tiles, ``tdpbf16ps``) sums in the instruction's order: per 16 k pairs two chains

@@ -44,7 +44,7 @@
 // activations stay in L2 across its tiles. The amx path's items are (panel of up to 512 rows, a
 // group of up to 16 tiles), a block of 32 rows at a time across the group (run_tile_groups).
 //
-// Without AVX-512, a call of more than kWidenOnceRows rows takes the widen path another way: each
+// A call of more than kWidenOnceRows rows takes the widen path another way: each
 // tile's weights are widened once into a float32 buffer [K2 pairs x 2, 32], the odd k of each pair
 // first, and x's rounded values are laid out in the same order, so fd_f32_linear's many-row loop
 // (f32_tiles.h, one chain per output) runs the very same multiply-adds in the same order: the
@@ -229,12 +229,17 @@ constexpr int kWidenBlock = kRows;
 constexpr int kWidenBlock = 4;
 #endif
 
-#if !defined(__AVX512F__)
-// Rows above which the widen path widens each tile once (see the top of the file). [M, 576] x
-// [576, 1536] on an AVX2 EPYC 7002 (2 threads, 2026-12-03, one op call each): M = 5 / 8 alike
-// either way (119 / 168 us), M = 16 / 64 / 512 318 / 1201 / 9658 -> 259 / 735 / 5384 us
-// (fd_f32_linear: 197 / 631 / 4873 us).
+// Rows above which the widen path widens each tile once (see the top of the file), 2 threads,
+// one op call each. AVX2 EPYC 7002 (2026-12-03), [M, 576] x [576, 1536]: M = 5 / 8 alike either
+// way (119 / 168 us), M = 16 / 64 / 512 318 / 1201 / 9658 -> 259 / 735 / 5384 us (fd_f32_linear:
+// 197 / 631 / 4873 us). AVX-512 without BF16, Ice Lake Xeon (2026-12-07), the same shape: M = 8
+// alike (127 / 125 us), M = 16 / 64 / 512 213 / 804 / 6575 -> 184 / 517 / 4038 us (fd_f32_linear
+// 168 / 477 / 3898); [M, 1536] x [1536, 576] and the head [M, 576] x [576, 49152] alike at 10.
+#if defined(__AVX512F__)
+constexpr int64_t kWidenOnceRows = 10;
+#else
 constexpr int64_t kWidenOnceRows = 4;
+#endif
 
 // x's rounded pairs as float32 [M, 2 K2], the odd k of each pair first (the widen path's order).
 void pair_major_rows(const uint32_t* xb, int64_t M, int64_t K2, float* xf) {
@@ -267,10 +272,9 @@ struct OnceJob {
 void widened_once_tile(void* ctx, int64_t t) {
   const OnceJob& j = *static_cast<OnceJob*>(ctx);
   const Problem& p = *j.p;
-  thread_local std::vector<float> buf;
-  buf.resize(static_cast<size_t>(2 * p.K2 * kCols));
-  widen_tile_once(p, t, buf.data());
-  fd_kernels::f32_tile_rows_one_chain(j.xf, p.M, 2 * p.K2, buf.data(), t, p.N, p.y);
+  float* buf = fd_kernels::tile_buffer(2 * p.K2);
+  widen_tile_once(p, t, buf);
+  fd_kernels::f32_tile_rows_one_chain(j.xf, p.M, 2 * p.K2, buf, t, p.N, p.y);
 }
 
 void gemm_widened_once(const Problem& p) {
@@ -279,7 +283,6 @@ void gemm_widened_once(const Problem& p) {
   OnceJob job{&p, xf.data()};
   fd_kernels::Pool::instance().run(p.N / kCols, widened_once_tile, &job);
 }
-#endif
 
 // The amx path: groups of tiles, a block of 32 rows at a time across each group
 // (fd_amx::run_tile_blocks). xb is [rows rounded up to 16, K2 rounded up to 16] pairs, zero past
@@ -366,9 +369,7 @@ void argmax_amx(const Problem& p, int64_t x_stride, int64_t* out) {
 }
 
 void gemm(const Problem& p, bool dot) {
-#if !defined(__AVX512F__)
   if (!dot && p.M > kWidenOnceRows) return gemm_widened_once(p);
-#endif
   const int64_t tiles = p.N / kCols;
 #if defined(__x86_64__)
   if (dot) {

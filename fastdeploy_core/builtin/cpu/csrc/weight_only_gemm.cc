@@ -836,10 +836,9 @@ void dequant_tile(const DequantProblem& p, int64_t t, float* buf) {
 void dequant_gemm(const DequantProblem& p) {
   auto chunk = [](void* ctx, int64_t t) {
     const DequantProblem& q = *static_cast<const DequantProblem*>(ctx);
-    thread_local std::vector<float> buf;
-    buf.resize(q.K * kCols);
-    dequant_tile(q, t, buf.data());
-    fd_kernels::f32_tile_rows_one_chain(q.x, q.M, q.K, buf.data(), t, q.N, q.y);
+    float* buf = fd_kernels::tile_buffer(q.K);
+    dequant_tile(q, t, buf);
+    fd_kernels::f32_tile_rows_one_chain(q.x, q.M, q.K, buf, t, q.N, q.y);
   };
   fd_kernels::Pool::instance().run(p.N / kCols, chunk, const_cast<DequantProblem*>(&p));
 }
@@ -1147,6 +1146,24 @@ void f32_linear_tile(const float* x, int64_t rows, int64_t K, const float* w_pac
                   std::max<int64_t>(K, 1), y, kRowBytes, 0};
   if (rows == 2) tile<2, Kind::kF32, true>(p, 0, 0);
   if (rows == 1) tile<1, Kind::kF32, true>(p, 0, 0);
+}
+
+float* tile_buffer(int64_t K) {
+  struct Buffer {
+    float* data = nullptr;
+    int64_t floats = 0;
+    ~Buffer() { std::free(data); }
+  };
+  thread_local Buffer buf;
+  const int64_t need = std::max<int64_t>(K, 1) * kCols;
+  if (need > buf.floats) {
+    std::free(buf.data);
+    // aligned_alloc wants a multiple of the alignment: kCols floats are 128 bytes.
+    buf.data = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(need) * sizeof(float)));
+    PD_CHECK(buf.data != nullptr, "tile_buffer: out of memory for ", need, " floats");
+    buf.floats = need;
+  }
+  return buf.data;
 }
 
 void f32_tile_rows_one_chain(const float* x, int64_t M, int64_t K, const float* w_tile, int64_t t, int64_t N,
