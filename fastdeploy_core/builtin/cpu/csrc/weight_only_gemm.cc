@@ -423,7 +423,12 @@ constexpr int64_t kVnniChunk = 8;                  // k per chunk
 // Whether a one-row tile splits each accumulator into two chains (k 0..3 and 4..7 of a chunk):
 // against vpdpbusd's 4-cycle latency on AVX-512. AVX2's products chain through a 1-cycle add,
 // and a second set of accumulators would not fit its 16 registers (it spilled).
+// (No integer dot products in the build: the scalar loop, which never splits.)
+#if defined(FD_INT8_DOT)
 constexpr bool kSplitOneRow = FD_INT8_DOT == 512;
+#else
+constexpr bool kSplitOneRow = false;
+#endif
 using fd_int8_pieces::kPieceMax;  // |a| bound: a = 256 * hi + lo with hi, lo int8
 constexpr int64_t kVnniPrefetch = 4096;            // bytes ahead in the weight stream (prefetchnta)
 constexpr int64_t kVnniTileBytes = kCols * 4;      // bytes per chunk of one tile (128)
