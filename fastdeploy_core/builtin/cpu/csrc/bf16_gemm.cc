@@ -278,7 +278,9 @@ void widened_once_tile(void* ctx, int64_t t) {
 }
 
 void gemm_widened_once(const Problem& p) {
-  std::vector<float> xf(static_cast<size_t>(p.M * 2 * p.K2));
+  // The calling thread's, reused from call to call (every call writes all of it before reading).
+  thread_local std::vector<float> xf;
+  xf.resize(static_cast<size_t>(p.M * 2 * p.K2));
   pair_major_rows(p.xb, p.M, p.K2, xf.data());
   OnceJob job{&p, xf.data()};
   fd_kernels::Pool::instance().run(p.N / kCols, widened_once_tile, &job);

@@ -48,6 +48,7 @@
 #include <thread>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "f32_tiles.h"
 #include "paddle/extension.h"
 #include "vector_math.h"
@@ -1154,21 +1155,10 @@ void f32_linear_tile(const float* x, int64_t rows, int64_t K, const float* w_pac
 }
 
 float* tile_buffer(int64_t K) {
-  struct Buffer {
-    float* data = nullptr;
-    int64_t floats = 0;
-    ~Buffer() { std::free(data); }
-  };
-  thread_local Buffer buf;
-  const int64_t need = std::max<int64_t>(K, 1) * kCols;
-  if (need > buf.floats) {
-    std::free(buf.data);
-    // aligned_alloc wants a multiple of the alignment: kCols floats are 128 bytes.
-    buf.data = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(need) * sizeof(float)));
-    PD_CHECK(buf.data != nullptr, "tile_buffer: out of memory for ", need, " floats");
-    buf.floats = need;
-  }
-  return buf.data;
+  thread_local fd_amx::TileBuffer<float> buf;  // 64-byte aligned (amx_tiles.h's LineAllocator)
+  const size_t need = static_cast<size_t>(std::max<int64_t>(K, 1) * kCols);
+  if (buf.size() < need) buf.resize(need);
+  return buf.data();
 }
 
 void f32_tile_rows_one_chain(const float* x, int64_t M, int64_t K, const float* w_tile, int64_t t, int64_t N,
