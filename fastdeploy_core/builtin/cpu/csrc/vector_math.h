@@ -182,15 +182,32 @@ inline float hsum(f32x16 v) {
 }
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum), 16 lanes: x = n ln2 + r with
-// |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error < 2e-7, as expf), 2^n built in
-// the exponent bits. Inputs below -87 give 0. The scalar std::exp per score was most of a
-// long prompt's attention time. Always inlined: a call (through the PLT, the vector returned in
-// memory) cost a prompt's attention on tiles ~15% where the compiler chose one.
+// |r| <= ln2 / 2 (n = x log2(e) rounded half away from zero), exp(r) by a degree-6 polynomial
+// (relative error < 2e-7, as expf), times 2^n. Inputs below -87 give 0, NaN stays NaN. The
+// scalar std::exp per score was most of a long prompt's attention time. Always inlined: a call
+// (through the PLT, the vector returned in memory) cost a prompt's attention on tiles ~15% where
+// the compiler chose one.
+//
+// With AVX-512 the same steps take 15 instructions instead of ~21: the clamp is one max, n's
+// half with x's sign one ternary-logic op, the rounding one roundscale (toward zero), and 2^n one
+// scalef instead of converting n to an integer and building the exponent bits. The results are
+// the same bits for every x <= 88 (checked on every 7th float bit pattern from -120 to 88, and
+// +-inf, NaN); a 2,048-token prompt's attention, 30 layers, float32 cache: ~4% less time.
 __attribute__((always_inline)) inline f32x16 exp16(f32x16 x_in) {
   const f32x16 lo = splat(-87.f);
+#if defined(__AVX512F__)
+  const __m512 x = _mm512_max_ps((__m512)lo, (__m512)x_in);  // max(lo, NaN) is NaN (the second operand)
+  const __m512i half = _mm512_set1_epi32(0x3f000000), sign = _mm512_set1_epi32(0x80000000);
+  const __m512 signed_half = (__m512)_mm512_ternarylogic_epi32(sign, (__m512i)x, half, 0xEA);  // (sign & x) | half
+  const __m512 n512 = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), signed_half),
+                                           _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  const f32x16 n = (f32x16)n512;
+  const f32x16 r = (f32x16)x - n * 0.693359375f + n * 2.12194440e-4f;
+#else
   const f32x16 x = select(x_in < lo, lo, x_in);
   const f32x16 n = convert<f32x16>(convert<i32x16>(x * 1.44269504f + select(x < 0.f, splat(-0.5f), splat(0.5f))));
   const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+#endif
   f32x16 p = f32x16{} + 1.3888889e-3f;
   p = p * r + 8.3333333e-3f;
   p = p * r + 4.1666667e-2f;
@@ -198,9 +215,14 @@ __attribute__((always_inline)) inline f32x16 exp16(f32x16 x_in) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
+#if defined(__AVX512F__)
+  const __m512 e = _mm512_scalef_ps((__m512)p, n512);
+  return (f32x16)_mm512_maskz_mov_ps(_mm512_cmp_ps_mask((__m512)x_in, (__m512)lo, _CMP_NLT_UQ), e);  // x_in < lo: 0
+#else
   const i32x16 bits = (convert<i32x16>(n) + 127) << 23;
   const f32x16 e = p * bitcast<f32x16>(bits);
   return select(x_in < lo, f32x16{}, e);
+#endif
 }
 
 // 16 vectors of 16 32-bit lanes transposed in place: v[i][c] becomes v[c][i].
