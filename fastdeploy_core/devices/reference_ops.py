@@ -278,6 +278,13 @@ class ReferenceOps:
         gate, up = paddle.chunk(x, 2, axis=-1)
         return F.silu(gate) * up
 
+    def linear_silu_and_mul(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+        """``silu_and_mul(linear(x, weight, bias))``: a merged gate/up projection (``weight``
+        [K, 2I] or the table's prepared layout) and its SwiGLU. A table with one kernel for both
+        (its product then never goes through memory) overrides this and gives the composition's
+        values."""
+        return self.silu_and_mul(self.linear(x, weight, bias))
+
     def fused_moe(
         self,
         x: paddle.Tensor,

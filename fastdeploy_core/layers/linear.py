@@ -78,6 +78,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if prepared is not None:
             replace_parameter(layer, "weight", prepared)
 
+    def apply_silu_and_mul(self, layer: Linear, x: paddle.Tensor) -> paddle.Tensor:
+        """``ops.linear_silu_and_mul``: one kernel where the table has one (the product never
+        goes through memory), else the table composes ``linear`` and ``silu_and_mul``."""
+        return current_ops().linear_silu_and_mul(x, layer.weight, layer.bias)
+
     def apply(self, layer: Linear, x: paddle.Tensor) -> paddle.Tensor:
         return current_ops().linear(x, layer.weight, layer.bias)
 

@@ -238,6 +238,7 @@ OPS = (
     "rms_norm",
     "add_rms_norm",
     "silu_and_mul",
+    "linear_silu_and_mul",
     "rotary_embedding",
     "write_kv_cache",
     "argmax_rows",
@@ -303,6 +304,22 @@ def _run_op(op, ops, ref, rng, dtype):
     if op == "silu_and_mul":
         x = rng.standard_normal((T, 2 * I)).astype(f32)
         return [_np(ops.silu_and_mul(_to(x, dtype)))], [_cpu(ref.silu_and_mul, x)]
+    if op == "linear_silu_and_mul":
+        # Plain [K, 2I] weights with and without a bias, and the table's prepared layout of 64
+        # and 96 columns (halves of whole 32-column tiles, and not): fused or composed, the
+        # table's answer is the SwiGLU of the product.
+        x = rng.standard_normal((T, H)).astype(f32)
+        got, want = [], []
+        for cols, bias in ((2 * I, False), (2 * I, True), (64, False), (96, False)):
+            w = (rng.standard_normal((H, cols)) / np.sqrt(H)).astype(f32)
+            b = rng.standard_normal(cols).astype(f32) if bias else None
+            want.append(_cpu(lambda xx, ww, *bb: ref.silu_and_mul(ref.linear(xx, ww, *bb)), x, w, *([b] if bias else [])))
+            if cols == 2 * I:
+                got.append(_np(ops.linear_silu_and_mul(_to(x, dtype), _to(w, dtype), _to(b, dtype) if bias else None)))
+                continue
+            prepared = ops.prepare_linear_weight(_to(w, dtype))
+            got.append(_np(ops.linear_silu_and_mul(_to(x, dtype), prepared if prepared is not None else _to(w, dtype))))
+        return got, want
     if op == "rotary_embedding":
         d, heads, kv_heads, max_pos = 16, 4, 2, 64
         cache = cos_sin_cache(d, max_pos)

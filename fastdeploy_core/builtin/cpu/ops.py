@@ -287,6 +287,15 @@ class CpuOps(CpuQuantOps, ReferenceOps):
             return add_bias(_run("fd_f32_linear", x, weight)[0], bias)
         return ReferenceOps.linear(self, x, weight, bias)
 
+    def linear_silu_and_mul(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+        """``silu_and_mul(linear(x, weight, bias))`` (a merged float32 gate/up projection): one
+        kernel, ``fd_f32_linear_silu``, when the weight is packed with whole-tile halves and there
+        is no bias (the product never goes through memory; the same bits as the two ops), else
+        the two ops."""
+        if weight.ndim == 3 and weight.shape[0] % 2 == 0 and bias is None and x.dtype == paddle.float32:
+            return _run("fd_f32_linear_silu", x, weight)[0]
+        return self.silu_and_mul(self.linear(x, weight, bias))
+
     def embedding(self, ids: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
         if not (self._have_kernels or self._ready()) or weight.dtype != paddle.float32 or ids.dtype != paddle.int64:
             return ReferenceOps.embedding(self, ids, weight)

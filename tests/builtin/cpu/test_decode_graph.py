@@ -216,7 +216,10 @@ def test_a_refused_capture_turns_the_graphs_off_and_the_step_result_stands(ops):
     caches = _caches(model)
 
     class PaddleOpOps(type(ops)):
-        def silu_and_mul(self, x):  # a plain Paddle formula inside the forward
+        # the MLP's gate/up projection and SwiGLU as two ops, the SwiGLU a plain Paddle formula
+        linear_silu_and_mul = ReferenceOps.linear_silu_and_mul
+
+        def silu_and_mul(self, x):
             return ReferenceOps.silu_and_mul(self, x)
 
     mixed = PaddleOpOps()
