@@ -138,7 +138,7 @@ def _build(name: str, build_dir: Path):
 
 
 def load_kernels():
-    """The kernel module (``fd_f32_linear``, ``fd_int8_linear``, ``fd_int4_linear``, ``fd_fp8_linear``,
+    """The kernel module (``fd_f32_linear``, ``fd_f32_linear_silu``, ``fd_int8_linear``, ``fd_int4_linear``, ``fd_fp8_linear``,
     ``fd_rope_write_kv``, ``fd_paged_attention``, ``fd_rms_norm``, ``fd_add_rms_norm``, ``fd_silu_mul``,
     ``fd_argmax``, ``fd_greedy_head``, ``fd_greedy_head_prepare``, ``fd_fused_moe``, ``fd_bf16_linear``,
     ``fd_mla_absorbed_attention``...) or ``None``."""

@@ -294,7 +294,7 @@ class CpuOps(CpuQuantOps, ReferenceOps):
         the two ops."""
         if weight.ndim == 3 and weight.shape[0] % 2 == 0 and bias is None and x.dtype == paddle.float32:
             return _run("fd_f32_linear_silu", x, weight)[0]
-        return self.silu_and_mul(self.linear(x, weight, bias))
+        return ReferenceOps.linear_silu_and_mul(self, x, weight, bias)
 
     def embedding(self, ids: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
         if not (self._have_kernels or self._ready()) or weight.dtype != paddle.float32 or ids.dtype != paddle.int64:

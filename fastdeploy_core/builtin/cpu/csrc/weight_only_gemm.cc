@@ -339,9 +339,11 @@ void row_blocks(const Problem& q, int64_t n0) {
 // Every row of x times tile t (columns [32 t, 32 t + 32)), on the calling thread. A step of a
 // few rows is bound by reading the weights: it takes whole tiles (one pass over each tile's
 // weight stream); more rows take the geometry of the register file (kTileVecs).
+// few_rows: the step has at most kWholeTileRowsMax rows (gemm's q.M; a caller that runs a step's
+// rows in panels passes the step's own count, so each row gets the same tiles as in gemm).
 template <Kind KIND>
-void tile_rows(const Problem& q, int64_t t) {
-  if (q.M <= kWholeTileRowsMax) {
+void tile_rows(const Problem& q, int64_t t, bool few_rows) {
+  if (few_rows) {
     row_blocks<KIND, 2, true>(q, t * kCols);
     return;
   }
@@ -370,7 +372,7 @@ void gemm(Problem p) {
   } job{&p, full_tiles, per_chunk};
   auto chunk = [](void* ctx, int64_t c) {
     const Job& j = *static_cast<Job*>(ctx);
-    for (int64_t t = c * j.per_chunk; t < std::min(j.full_tiles, (c + 1) * j.per_chunk); ++t) tile_rows<KIND>(*j.p, t);
+    for (int64_t t = c * j.per_chunk; t < std::min(j.full_tiles, (c + 1) * j.per_chunk); ++t) tile_rows<KIND>(*j.p, t, j.p->M <= kWholeTileRowsMax);
   };
   fd_kernels::Pool::instance().run((full_tiles + per_chunk - 1) / per_chunk, chunk, &job);
   for (int64_t n = full_tiles * kCols; n < p.N; ++n) tail_column<KIND>(p, n);
@@ -1162,14 +1164,11 @@ void f32_silu_tile_pair(void* ctx, int64_t t) {
   for (int64_t m0 = 0; m0 < j.M; m0 += kSiluPanelRows) {
     const int64_t rows = std::min(kSiluPanelRows, j.M - m0);
     for (int half = 0; half < 2; ++half) {
-      // One tile as a [rows, 32] problem writing columns [32 half, 32 half + 32) of buf.
+      // One tile as a [rows, 32] problem (tile 0 of a one-tile weight) writing columns
+      // [32 half, 32 half + 32) of buf, with gemm's choice for a step of j.M rows.
       const Problem q{j.x + m0 * K, rows, K, 2 * kCols, j.w + (t + half * half_tiles) * j.tile_bytes, nullptr, nullptr,
                       nullptr, 1, std::max<int64_t>(K, 1), buf.data() + half * kCols, kCols * kElem<Kind::kF32>, 0};
-      // tile_rows' choice, made on the whole step's rows as gemm makes it.
-      if (j.M <= kWholeTileRowsMax)
-        row_blocks<Kind::kF32, 2, true>(q, 0);
-      else
-        for (int64_t n0 = 0; n0 < kCols; n0 += 16 * kTileVecs) row_blocks<Kind::kF32, kTileVecs>(q, n0);
+      tile_rows<Kind::kF32>(q, 0, j.M <= kWholeTileRowsMax);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const float* g = buf.data() + r * 2 * kCols;
