@@ -69,6 +69,8 @@ HEADERS = (
     _CSRC / "int8_dot.h",
     _CSRC / "amx_tiles.h",
     _CSRC / "amx_attention.h",
+    _CSRC / "line_buffer.h",
+    _CSRC / "tile_argmax.h",
 )
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
 LD_FLAGS = ["-pthread"]

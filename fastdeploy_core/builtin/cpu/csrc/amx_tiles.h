@@ -46,6 +46,7 @@
 #include <new>
 #include <vector>
 
+#include "line_buffer.h"
 #include "row_panels.h"
 
 namespace fd_amx {
@@ -58,26 +59,10 @@ constexpr int64_t kGroupBytes = kTileCols * 4;  // one group of k of one weight 
 
 enum class Kind { kBf16, kInt8 };
 
-// Buffers that tiles load from: 64-byte aligned, so that each 64-byte row of a tile is one cache
-// line. std::vector's default allocation is 16-byte aligned (large ones sit 16 bytes past a page
-// start), and a tile row across two lines halves the loads' speed (measured on a Xeon with AMX:
-// 70-75 ns against 32 ns per step of four loads and four products from L1).
+// Buffers that tiles load from: 64-byte aligned (line_buffer.h), so that each 64-byte row of a
+// tile is one cache line.
 template <class T>
-struct LineAllocator {
-  using value_type = T;
-  static constexpr std::align_val_t kAlign{64};
-  LineAllocator() = default;
-  template <class U>
-  LineAllocator(const LineAllocator<U>&) {}  // NOLINT: rebinding, as the standard containers do
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
-  void deallocate(T* p, size_t) { ::operator delete(p, kAlign); }
-  template <class U>
-  bool operator==(const LineAllocator<U>&) const { return true; }
-  template <class U>
-  bool operator!=(const LineAllocator<U>&) const { return false; }
-};
-template <class T>
-using TileBuffer = std::vector<T, LineAllocator<T>>;
+using TileBuffer = fd_kernels::LineBuffer<T>;
 
 // Whether this process may run tile instructions of `kind` (asked once per kind).
 inline bool amx_permitted(Kind kind) {

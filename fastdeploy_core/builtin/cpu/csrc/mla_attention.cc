@@ -28,6 +28,7 @@
 
 #include "paddle/extension.h"
 #include "graph.h"
+#include "line_buffer.h"
 #include "thread_pool.h"
 #include "vector_math.h"
 
@@ -59,7 +60,7 @@ void attend_item(void* ctx, int64_t index) {
   const int64_t width = j.rank + j.rope, qk = j.nope + j.rope, wcols = j.nope + j.v_dim;
   const int64_t keys = j.token_pos[t] + 1;
   const int64_t padded = (keys + 15) / 16 * 16;
-  thread_local std::vector<float> qf, scores, o_lat;
+  thread_local fd_kernels::LineBuffer<float> qf, scores, o_lat;  // read as vectors (line_buffer.h)
   if (static_cast<int64_t>(qf.size()) < width) qf.resize(width);
   if (static_cast<int64_t>(o_lat.size()) < j.rank) o_lat.resize(j.rank);
   if (static_cast<int64_t>(scores.size()) < padded) scores.resize(padded);

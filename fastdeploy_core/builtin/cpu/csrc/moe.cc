@@ -29,6 +29,7 @@
 
 #include "f32_tiles.h"
 #include "graph.h"
+#include "line_buffer.h"
 #include "paddle/extension.h"
 #include "thread_pool.h"
 #include "vector_math.h"
@@ -97,7 +98,7 @@ struct Step {
 // columns [32 t, 32 t + 32) of `out` ([R, N], columns past N dropped).
 void expert_tile(const float* in, int64_t begin, int64_t end, const Projection& p, const float* w, int64_t t,
                  float* out) {
-  thread_local std::vector<float> buf;
+  thread_local fd_kernels::LineBuffer<float> buf;  // rows of 32 columns, stored as vectors
   const int64_t rows = end - begin;
   buf.resize(rows * kTileColumns);
   fd_kernels::f32_linear_tile(in + begin * p.K, rows, p.K, w, t, rows <= 2, buf.data());

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "line_buffer.h"
 #include "vector_math.h"
 
 namespace fd_kernels {
@@ -51,8 +52,8 @@ inline ColumnBest first_largest32(const float* v) {
 class TileBest {
  public:
   TileBest(int64_t M, int64_t tiles) : rows_((M + 15) / 16 * 16), M_(M), tiles_(tiles) {
-    thread_local std::vector<float> values;
-    thread_local std::vector<int32_t> columns;
+    thread_local LineBuffer<float> values;  // 16 rows per vector (line_buffer.h)
+    thread_local LineBuffer<int32_t> columns;
     values.resize(static_cast<size_t>(rows_ * tiles));  // rows past M keep whatever they held: never read out
     columns.resize(static_cast<size_t>(rows_ * tiles));
     values_ = values.data();

@@ -54,6 +54,7 @@
 #include "vector_math.h"
 #include "graph.h"
 #include "int8_dot.h"
+#include "line_buffer.h"
 #include "thread_pool.h"
 
 namespace {
@@ -1224,7 +1225,7 @@ void f32_linear_tile(const float* x, int64_t rows, int64_t K, const float* w_pac
 }
 
 float* tile_buffer(int64_t K) {
-  thread_local fd_amx::TileBuffer<float> buf;  // 64-byte aligned (amx_tiles.h's LineAllocator)
+  thread_local LineBuffer<float> buf;  // 64-byte aligned (line_buffer.h)
   const size_t need = static_cast<size_t>(std::max<int64_t>(K, 1) * kCols);
   if (buf.size() < need) buf.resize(need);
   return buf.data();
