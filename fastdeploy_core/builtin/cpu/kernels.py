@@ -58,20 +58,9 @@ SOURCES = (
     _CSRC / "mla_attention.cc",
     _CSRC / "pool_check.cc",
 )
-HEADERS = (
-    _CSRC / "thread_pool.h",
-    _CSRC / "row_panels.h",
-    _CSRC / "vector_math.h",
-    _CSRC / "f32_tiles.h",
-    _CSRC / "graph.h",
-    _CSRC / "bf16_attention.h",
-    _CSRC / "cpu_features.h",
-    _CSRC / "int8_dot.h",
-    _CSRC / "amx_tiles.h",
-    _CSRC / "amx_attention.h",
-    _CSRC / "line_buffer.h",
-    _CSRC / "tile_argmax.h",
-)
+# Every header of the directory: the library's name hashes them (library_name), so an edit of
+# any one rebuilds the kernels (a list by hand once missed tile_argmax.h).
+HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 CXX_FLAGS = ["-O3", "-march=native", "-pthread", "-std=c++17"]
 LD_FLAGS = ["-pthread"]
 CACHE_ENV = "FD_KERNEL_CACHE"

@@ -52,3 +52,12 @@ def test_every_kernel_source_compiles_for_the_target(target):
     failed = [f"{name}:\n{err[-2000:]}" for name, code, err in results if code != 0]
     assert not failed, f"sources that do not compile for -march={target}:\n" + "\n".join(failed)
     assert len(results) == len(kernels.SOURCES) > 0
+
+
+def test_every_source_of_the_directory_is_built_and_hashed():
+    # A .cc left out of SOURCES is never compiled; the library's name hashes SOURCES and HEADERS,
+    # so a file outside both would not rebuild the kernels when edited.
+    csrc = kernels.SOURCES[0].parent
+    assert sorted(csrc.glob("*.cc")) == sorted(kernels.SOURCES)
+    assert {path.name for path in kernels.HEADERS} >= {"line_buffer.h", "tile_argmax.h", "amx_tiles.h"}
+    assert sorted(csrc.glob("*.h")) == sorted(kernels.HEADERS)
