@@ -66,6 +66,7 @@
 
 #include "f32_tiles.h"
 #include "int8_dot.h"
+#include "line_buffer.h"
 #include "paddle/extension.h"
 #include "thread_pool.h"
 #include "vector_math.h"
@@ -304,7 +305,7 @@ struct ExactJob {
 // Rows ``rows`` (all with the same chain choice) of tile t: f32_linear_tile over a contiguous
 // copy of their hidden states, then each row's first largest value in the tile.
 void exact_rows(const ExactJob& j, int64_t t, const int64_t* rows, const int64_t* slots, int64_t n, bool two_chains,
-                std::vector<float>& xbuf, std::vector<float>& ybuf) {
+                fd_kernels::LineBuffer<float>& xbuf, fd_kernels::LineBuffer<float>& ybuf) {
   xbuf.resize(n * j.K);
   ybuf.resize(n * kCols);
   for (int64_t i = 0; i < n; ++i) std::memcpy(xbuf.data() + i * j.K, j.x + rows[i] * j.K, j.K * sizeof(float));
@@ -321,7 +322,7 @@ void exact_rows(const ExactJob& j, int64_t t, const int64_t* rows, const int64_t
 
 void exact_item(void* ctx, int64_t item) {
   const ExactJob& j = *static_cast<const ExactJob*>(ctx);
-  thread_local std::vector<float> xbuf, ybuf;
+  thread_local fd_kernels::LineBuffer<float> xbuf, ybuf;  // the tile's output rows are stored as vectors
   const int64_t t = j.tiles[item];
   std::vector<int64_t> rows[2], slots[2];  // [0]: one chain, [1]: two chains
   for (int64_t e = j.tile_start[item]; e < j.tile_start[item + 1]; ++e) {
