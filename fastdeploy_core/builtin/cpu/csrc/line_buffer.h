@@ -6,7 +6,7 @@
 // mattered: an AMX tile row across two lines halved the loads' speed (Xeon with AMX, 70-75
 // against 32 ns per step of four loads and four products from L1); fd_f32_linear's loop over a
 // widened tile ran ~1.3x slower at 64 rows (Ice Lake Xeon); the score products of a prompt's
-// attention item, one core, 118 against 148 GFLOP/s (Ice Lake Xeon, benchmarks/perf_cpu.md).
+// attention item, one core, 104-119 against 144-152 GFLOP/s (Ice Lake Xeon, benchmarks/perf_cpu.md).
 #pragma once
 
 #include <cstddef>
